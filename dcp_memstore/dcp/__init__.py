@@ -1,0 +1,1 @@
+"""The DCP face: storage writer, storage reader, stager and the msgpack codec for DCP metadata."""

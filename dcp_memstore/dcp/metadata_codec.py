@@ -1,0 +1,132 @@
+"""DCP ``Metadata`` to and from msgpack-encodable values, so reading a checkpoint unpickles nothing.
+
+Covers what DCP's planners put there: tensor and bytes storage metadata, the planner's flattening map
+(tuples of str/int), storage meta and version. Anything else in ``planner_data`` raises a TypeError that
+names the offending value at save time, never a silent loss.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+_MEMORY_FORMATS = {
+    "contiguous": torch.contiguous_format,
+    "channels_last": torch.channels_last,
+    "channels_last_3d": torch.channels_last_3d,
+    "preserve": torch.preserve_format,
+}
+_MEMORY_FORMAT_NAMES = {v: k for k, v in _MEMORY_FORMATS.items()}
+_TUPLE = "__tuple__"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in checkpoint metadata")
+    return dt
+
+
+def _plain(value: Any, where: str) -> Any:
+    """Encode planner data: plain values, lists, tuples (tagged) and str-keyed dicts."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    if isinstance(value, tuple):
+        return {_TUPLE: [_plain(v, where) for v in value]}
+    if isinstance(value, list):
+        return [_plain(v, where) for v in value]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {k: _plain(v, f"{where}.{k}") for k, v in value.items()}
+    raise TypeError(
+        f"{where} holds a {type(value).__name__}, which dcp_memstore cannot store without pickling; "
+        "a custom planner's planner_data may hold only None, bool, int, float, str, bytes, lists, tuples "
+        "and dicts with str keys"
+    )
+
+
+def _unplain(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_unplain(v) for v in value]
+    if isinstance(value, dict):
+        if set(value) == {_TUPLE}:
+            return tuple(_unplain(v) for v in value[_TUPLE])
+        return {k: _unplain(v) for k, v in value.items()}
+    return value
+
+
+def _encode_storage_md(md: Any) -> dict:
+    if isinstance(md, BytesStorageMetadata):
+        return {"kind": "bytes"}
+    p = md.properties
+    return {
+        "kind": "tensor",
+        "dtype": dtype_name(p.dtype),
+        "requires_grad": bool(p.requires_grad),
+        "memory_format": _MEMORY_FORMAT_NAMES.get(p.memory_format, "contiguous"),
+        "pin_memory": bool(p.pin_memory),
+        "size": list(md.size),
+        "chunks": [[list(c.offsets), list(c.sizes)] for c in md.chunks],
+    }
+
+
+def _decode_storage_md(r: dict) -> Any:
+    if r["kind"] == "bytes":
+        return BytesStorageMetadata()
+    props = TensorProperties(
+        dtype=dtype_from_name(r["dtype"]),
+        requires_grad=r["requires_grad"],
+        memory_format=_MEMORY_FORMATS[r["memory_format"]],
+        pin_memory=r["pin_memory"],
+    )
+    chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in r["chunks"]]
+    return TensorStorageMetadata(properties=props, size=torch.Size(r["size"]), chunks=chunks)
+
+
+def encode_metadata(md: Metadata) -> dict:
+    """Everything of ``md`` except ``storage_data`` (the store's manifest items carry that)."""
+    sm = md.storage_meta
+    return {
+        "state_dict_metadata": {fqn: _encode_storage_md(v) for fqn, v in md.state_dict_metadata.items()},
+        "planner_data": _plain(md.planner_data, "planner_data"),
+        "storage_meta": None
+        if sm is None
+        else {
+            "checkpoint_id": None if sm.checkpoint_id is None else str(sm.checkpoint_id),
+            "save_id": sm.save_id,
+            "load_id": sm.load_id,
+            "modules": list(sm.modules),
+        },
+        "version": md.version,
+    }
+
+
+def decode_metadata(r: dict, storage_data: dict[MetadataIndex, Any]) -> Metadata:
+    sm = r["storage_meta"]
+    return Metadata(
+        state_dict_metadata={fqn: _decode_storage_md(v) for fqn, v in r["state_dict_metadata"].items()},
+        planner_data=_unplain(r["planner_data"]),
+        storage_data=storage_data,
+        storage_meta=None
+        if sm is None
+        else StorageMeta(
+            checkpoint_id=sm["checkpoint_id"],
+            save_id=sm["save_id"],
+            load_id=sm["load_id"],
+            modules=sm["modules"],
+        ),
+        version=r["version"],
+    )

@@ -1,0 +1,160 @@
+"""Staging for ``dcp.async_save``: copy the state dict's tensors straight into shard files on tmpfs.
+
+The tensors are copied once, into a staging slot's shard files (GPU tensors by DMA into the pinned file
+mapping on a side stream, CPU tensors by memcpy in parallel threads), and the state dict handed to DCP
+views those files. The background save then only checksums them and renames the files into the
+checkpoint: no second copy. Training resumes as soon as ``stage`` returns.
+
+At most ``max_in_flight`` slots exist per job and process; ``stage`` waits for the oldest to be written.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dcp_memstore.dcp import state_tree
+from dcp_memstore.dcp.save_order import SaveOrder, Ticket
+from dcp_memstore.errors import StagingTimeoutError
+from dcp_memstore.store.catalog import recycle
+from dcp_memstore.store.layout import shard_name
+from dcp_memstore.store.mapping import MappedFile
+from dcp_memstore.store.memstore import MemStore
+from dcp_memstore.store.packing import pack
+from dcp_memstore.store.pinned import register_host
+from dcp_memstore.store.pool import FilePool
+from dcp_memstore.store.space import check_space
+
+
+def current_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def stageable(t: torch.Tensor) -> bool:
+    """Dense strided CPU or CUDA tensors are staged into shard files; anything else is copied by DCP."""
+    return t.layout == torch.strided and t.device.type in ("cpu", "cuda") and not t.is_quantized
+
+
+class Stager:
+    """Stages state dicts of one job in this process (shared by every writer of the job)."""
+
+    _instances: dict[str, Stager] = {}
+    _instances_lock = threading.Lock()
+
+    @classmethod
+    def of(cls, store: MemStore) -> Stager:
+        key = str(store.layout.job_dir)
+        with cls._instances_lock:
+            st = cls._instances.get(key)
+            if st is None:
+                st = cls._instances[key] = cls(store)
+            return st
+
+    def __init__(self, store: MemStore) -> None:
+        self.store = store
+        self.order = SaveOrder.of(str(store.layout.job_dir))
+        self._lock = threading.Lock()
+        self._stream = None
+
+    def stage(self, state_dict: dict[str, Any]) -> tuple[dict[str, Any], Ticket]:
+        """Copy ``state_dict``'s tensors into a new staging slot; return the staged state dict and its ticket."""
+        with self._lock:
+            rank = current_rank()
+            self._wait_for_room()
+            originals = [t for t in state_tree.tensors(state_dict) if stageable(t)]
+            sizes = [t.numel() * t.element_size() for t in originals]
+            placements, file_sizes = pack(sizes, self.store.io_threads)
+            pool = FilePool(self.store.layout, rank)
+            check_space(self.store.layout.root, sum(file_sizes), reusable=pool.reusable_bytes())
+            slot = self.store.layout.staging_dir / f"r{rank}-p{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            slot.mkdir(parents=True)
+            try:
+                files = [pool.acquire(slot / shard_name(rank, i), n) for i, n in enumerate(file_sizes)]
+                views = [
+                    files[p.bin].tensor(p.offset, t.dtype, t.shape)
+                    for t, p in zip(originals, placements, strict=False)
+                ]
+                self._copy(originals, views, placements, files)
+            except BaseException:
+                recycle(self.store.layout, slot)
+                raise
+            by_id = {id(t): v for t, v in zip(originals, views, strict=False)}
+
+            def replace(t: torch.Tensor) -> torch.Tensor:
+                v = by_id.get(id(t))
+                if v is None:
+                    return t.detach().clone() if t.device.type == "cpu" else t.detach().cpu()
+                return v.requires_grad_(True) if t.requires_grad and v.is_floating_point() else v
+
+            staged = state_tree.rebuild(state_dict, replace)
+            return staged, self.order.issue(str(slot))
+
+    def _copy(
+        self, src: list[torch.Tensor], dst: list[torch.Tensor], placements: list, files: list[MappedFile]
+    ) -> None:
+        on_gpu = [i for i, t in enumerate(src) if t.device.type == "cuda"]
+        if on_gpu:
+            for f in {placements[i].bin for i in on_gpu}:
+                register_host(files[f])
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+            self._stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._stream):
+                for i in on_gpu:
+                    dst[i].copy_(src[i].detach(), non_blocking=True)
+        cpu = [i for i, t in enumerate(src) if t.device.type == "cpu"]
+        by_bin: dict[int, list[int]] = {}
+        for i in cpu:
+            by_bin.setdefault(placements[i].bin, []).append(i)
+
+        def copy_bin(idx: list[int]) -> None:
+            for i in idx:
+                dst[i].copy_(src[i].detach())
+
+        if len(by_bin) > 1:
+            with ThreadPoolExecutor(len(by_bin)) as ex:
+                list(ex.map(copy_bin, by_bin.values()))
+        else:
+            for idx in by_bin.values():
+                copy_bin(idx)
+        if on_gpu:
+            self._stream.synchronize()
+
+    def _wait_for_room(self) -> None:
+        """Block until fewer than max_in_flight of this job's slots (this process) are still being written."""
+        deadline = time.monotonic() + self.store.stage_timeout_s
+        delay = 0.0005
+        while True:
+            active = self._active_slots()
+            if len(active) < self.store.max_in_flight:
+                return
+            if time.monotonic() > deadline:
+                raise StagingTimeoutError(
+                    f"async save waited {self.store.stage_timeout_s:.0f}s for earlier saves to finish writing "
+                    f"(still in flight: {[Path(t.slot).name for t in active]}); check the futures of earlier "
+                    "dcp.async_save calls for an error, or raise MemStore(stage_timeout_s=...)"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
+
+    def _active_slots(self) -> list[Ticket]:
+        active = []
+        for t in self.order.tickets():
+            if t.slot is None or not os.path.isdir(t.slot):
+                continue
+            if t.finished() and not t.remote:
+                recycle(
+                    self.store.layout, Path(t.slot)
+                )  # its save ended without writing it: an error elsewhere
+                continue
+            active.append(t)
+        return active

@@ -1,0 +1,70 @@
+"""Walking a state dict's tensors: plain tensors, DTensor local shards, ShardedTensor local shards.
+
+``tensors`` lists them in a fixed order; ``rebuild`` returns the same structure with each of those tensors
+replaced (in the same order) and every other value deep-copied, which is what a stager must hand to DCP:
+a state dict that later training steps cannot change.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed.tensor import DTensor
+
+
+def _children(value: Any) -> Iterator[Any]:
+    if isinstance(value, dict):
+        yield from value.values()
+    elif isinstance(value, (list, tuple)):
+        yield from value
+
+
+def tensors(value: Any) -> list[torch.Tensor]:
+    """Every tensor whose bytes a save stores, in traversal order."""
+    out: list[torch.Tensor] = []
+
+    def walk(v: Any) -> None:
+        if isinstance(v, DTensor):
+            out.append(v.to_local())
+        elif isinstance(v, ShardedTensor):
+            out.extend(s.tensor for s in v.local_shards())
+        elif isinstance(v, torch.Tensor):
+            out.append(v)
+        else:
+            for c in _children(v):
+                walk(c)
+
+    walk(value)
+    return out
+
+
+def rebuild(value: Any, replace: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` with each tensor from ``tensors(value)`` passed through ``replace``, in the same order."""
+    if isinstance(value, DTensor):
+        local = replace(value.to_local())
+        return DTensor.from_local(
+            local,
+            value.device_mesh,
+            value.placements,
+            run_check=False,
+            shape=value.size(),
+            stride=value.stride(),
+        )
+    if isinstance(value, ShardedTensor):
+        shards = [Shard(replace(s.tensor), s.metadata) for s in value.local_shards()]
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            shards, value.metadata(), process_group=value._process_group
+        )
+    if isinstance(value, torch.Tensor):
+        return replace(value)
+    if isinstance(value, dict):  # DCP flattens mappings, so a plain dict stands in for any dict type
+        return {k: rebuild(v, replace) for k, v in value.items()}
+    if isinstance(value, list):
+        return [rebuild(v, replace) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(rebuild(v, replace) for v in value)
+    return copy.deepcopy(value)

@@ -1,0 +1,314 @@
+"""``MemoryStorageWriter``: DCP's StorageWriter (and AsyncStager) over a ``MemStore``.
+
+Save path, per rank: tensors already staged into shard files (``dcp.async_save``) are only checksummed and
+their files renamed into the checkpoint; anything else (``dcp.save``, values DCP serialises) is copied into
+freshly sized shard files by ``io_threads`` threads, one file each. The coordinator then writes the
+manifest (item locations, checksums, DCP metadata, all msgpack) and the COMMITTED marker, and evicts
+checkpoints beyond ``keep_in_memory``.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import os
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from dcp_memstore.dcp.metadata_codec import dtype_name, encode_metadata
+from dcp_memstore.dcp.save_order import SaveOrder
+from dcp_memstore.dcp.stager import Stager, current_rank
+from dcp_memstore.errors import CheckpointExistsError
+from dcp_memstore.store import catalog
+from dcp_memstore.store.checksum import checksum_bytes, checksum_memory
+from dcp_memstore.store.ids import validate_name
+from dcp_memstore.store.layout import MANIFEST, objects_name, shard_name
+from dcp_memstore.store.manifest import Manifest, ManifestItem, ShardLocation
+from dcp_memstore.store.mapping import MAPPINGS, MappedFile
+from dcp_memstore.store.memstore import MemStore
+from dcp_memstore.store.packing import ITEM_ALIGN, pack
+from dcp_memstore.store.pinned import register_host
+from dcp_memstore.store.pool import FilePool
+from dcp_memstore.store.records import write_atomic
+from dcp_memstore.store.space import check_space
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _releases_slot_on_error(method: F) -> F:
+    """If a save step fails, give this save's staging slot back so later saves do not wait for it."""
+
+    @functools.wraps(method)
+    def wrapper(self: MemoryStorageWriter, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except BaseException:
+            self._release_slot()
+            raise
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _nbytes(item: WriteItem) -> int:
+    td = item.tensor_data
+    return td.size.numel() * torch.empty((), dtype=td.properties.dtype).element_size() if td else 0
+
+
+class MemoryStorageWriter(StorageWriter, AsyncStager):
+    """Writes DCP checkpoints into a ``MemStore``; pass it as ``storage_writer`` to ``dcp.save`` or
+    ``dcp.async_save`` together with ``checkpoint_id="step-100"`` (a name in the store, not a path)."""
+
+    def __init__(self, store: MemStore) -> None:
+        if not isinstance(store, MemStore):
+            raise TypeError(f"MemoryStorageWriter needs a MemStore, got {type(store).__name__}")
+        super().__init__()
+        self.store = store
+        self.checkpoint_id: str | None = None
+        self.is_coordinator = False
+        self.rank = 0
+        self._pending: deque = deque()  # (ticket seq, slot) of states staged by this writer, oldest first
+        self._current: tuple[int, str | None] | None = None
+        self._save_started = 0.0
+
+    # -- pickling (DCP's PROCESS executor sends the writer to its checkpoint process) -------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        order = SaveOrder.of(str(self.store.layout.job_dir))
+        for seq, _ in self._pending:
+            order.mark_remote(seq)
+        return dict(self.__dict__)
+
+    # -- AsyncStager -----------------------------------------------------------------------------------
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Copy ``state_dict``'s tensors into tmpfs shard files; training may go on once this returns."""
+        staged, ticket = Stager.of(self.store).stage(state_dict)
+        self._pending.append((ticket.seq, ticket.slot))
+        return staged
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: ``stage`` returns only once every copy has landed."""
+
+    def close(self) -> None:
+        self.store.close()
+
+    # -- StorageWriter ---------------------------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self._current = self._pending.popleft() if self._pending else None
+        self._begin(checkpoint_id)
+
+    @_releases_slot_on_error
+    def _begin(self, checkpoint_id: str | os.PathLike | None) -> None:
+        self.checkpoint_id = None if checkpoint_id is None else validate_name(checkpoint_id)
+        SaveOrder.of(str(self.store.layout.job_dir)).begin(
+            self._current[0] if self._current else None, self.store.stage_timeout_s
+        )
+        self._save_started = time.time()
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        try:
+            validate_name(checkpoint_id)
+            return True
+        except ValueError:
+            return False
+
+    @_releases_slot_on_error
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("use_collectives", True) is False:
+            raise ValueError(
+                "MemoryStorageWriter needs use_collectives=True (the coordinator commits each checkpoint)"
+            )
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank", current_rank())
+        if self.checkpoint_id is None:
+            raise ValueError(
+                "dcp.save/async_save with MemoryStorageWriter needs checkpoint_id='NAME', e.g. 'step-100'"
+            )
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=uuid.uuid4().hex)
+
+    @_releases_slot_on_error
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        assert self.checkpoint_id is not None
+        if catalog.read_commit(self.store.layout, self.checkpoint_id) is not None:
+            raise CheckpointExistsError(
+                f"checkpoint {self.checkpoint_id!r} already exists in store {self.store.layout.job_dir}; "
+                "save under a new id or remove it first with store.delete(id)"
+            )
+        if self._current is None:  # not staged: this save copies every tensor into new shard files
+            needed = sum(_nbytes(it) for it in plan.items)
+            check_space(
+                self.store.layout.root, needed, FilePool(self.store.layout, self.rank).reusable_bytes()
+            )
+        return plan
+
+    @_releases_slot_on_error
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        assert self.checkpoint_id is not None
+        stale = self.store.layout.checkpoint_dir(self.checkpoint_id)
+        if stale.exists() and catalog.read_commit(self.store.layout, self.checkpoint_id) is None:
+            catalog.discard(self.store.layout, stale)  # an earlier failed attempt at this id
+        catalog.begin(self.store.layout, self.checkpoint_id)
+        return plans
+
+    @_releases_slot_on_error
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        results = _RankWrite(self, plan, planner).run()
+        self._current = None
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        assert self.checkpoint_id is not None
+        layout = self.store.layout
+        items = [
+            ManifestItem(
+                wr.index.fqn, None if wr.index.offset is None else tuple(wr.index.offset), wr.storage_data
+            )
+            for rank_results in results
+            for wr in rank_results
+        ]
+        manifest = Manifest(self.checkpoint_id, len(results), items, encode_metadata(metadata))
+        manifest.write(layout.checkpoint_dir(self.checkpoint_id) / MANIFEST)
+        catalog.commit(layout, self.checkpoint_id, manifest.nbytes)
+        catalog.evict(layout, self.store.keep_in_memory)
+        catalog.clear_abandoned(layout, before=self._save_started)
+        for rank in range(len(results)):
+            FilePool(layout, rank).trim(keep=self.store.max_in_flight * self.store.io_threads)
+
+    def _release_slot(self) -> None:
+        if self._current is not None and self._current[1] is not None:
+            catalog.recycle(self.store.layout, Path(self._current[1]))
+        self._current = None
+
+
+class _RankWrite:
+    """One rank's ``write_data``: place, copy, checksum, and name this rank's files of the checkpoint."""
+
+    def __init__(self, writer: MemoryStorageWriter, plan: SavePlan, planner: SavePlanner) -> None:
+        self.store = writer.store
+        self.rank = writer.rank
+        self.dir = self.store.layout.checkpoint_dir(writer.checkpoint_id)
+        self.slot = writer._current[1] if writer._current else None
+        self.plan, self.planner = plan, planner
+        self.results: list[WriteResult] = []
+
+    def run(self) -> list[WriteResult]:
+        staged: dict[int, tuple[MappedFile, list[tuple[WriteItem, int, torch.Tensor]]]] = {}
+        to_copy: list[tuple[WriteItem, torch.Tensor]] = []
+        objects: list[tuple[WriteItem, memoryview]] = []
+        for item in self.plan.items:
+            data = self.planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                buf = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
+                objects.append((item, buf))
+                continue
+            t = data.detach()
+            mf = self._staged_file(t)
+            off = mf.contains(t) if mf is not None else None
+            if off is not None:
+                staged.setdefault(id(mf), (mf, []))[1].append((item, off, t))
+            else:
+                to_copy.append((item, t))
+
+        names: dict[int, str] = {}
+        next_index = 0
+        for key in staged:
+            names[key] = shard_name(self.rank, next_index)
+            next_index += 1
+        copy_files = self._allocate_copy_files(to_copy, next_index)
+
+        jobs = [
+            functools.partial(self._checksum_staged, names[k], entries) for k, (_, entries) in staged.items()
+        ]
+        jobs += [functools.partial(self._copy_into, f) for f in copy_files]
+        with ThreadPoolExecutor(max(1, min(len(jobs), self.store.io_threads))) as ex:
+            for part in ex.map(lambda job: job(), jobs):
+                self.results.extend(part)
+        self._write_objects(objects)
+        for key, (mf, _) in staged.items():
+            os.rename(mf.path, self.dir / names[key])
+        if self.slot is not None:
+            catalog.recycle(self.store.layout, Path(self.slot))  # files this rank's plan did not need
+        return self.results
+
+    def _staged_file(self, t: torch.Tensor) -> MappedFile | None:
+        mf = MAPPINGS.find(t)
+        if mf is None or self.slot is None:
+            return None
+        try:
+            return mf if Path(mf.path).parent == Path(self.slot) else None
+        except FileNotFoundError:
+            return None
+
+    def _checksum_staged(
+        self, name: str, entries: list[tuple[WriteItem, int, torch.Tensor]]
+    ) -> list[WriteResult]:
+        out = []
+        for item, off, t in entries:
+            n = t.numel() * t.element_size()
+            loc = ShardLocation(
+                name, off, n, checksum_memory(t.data_ptr(), n), dtype_name(t.dtype), tuple(t.shape)
+            )
+            out.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=loc))
+        return out
+
+    def _allocate_copy_files(self, to_copy: list[tuple[WriteItem, torch.Tensor]], first_index: int) -> list:
+        if not to_copy:
+            return []
+        sizes = [t.numel() * t.element_size() for _, t in to_copy]
+        placements, file_sizes = pack(sizes, self.store.io_threads)
+        pool = FilePool(self.store.layout, self.rank)
+        files = []
+        for b, size in enumerate(file_sizes):
+            name = shard_name(self.rank, first_index + b)
+            mf = pool.acquire(self.dir / name, size)
+            entries = [
+                (item, p.offset, t) for (item, t), p in zip(to_copy, placements, strict=False) if p.bin == b
+            ]
+            files.append((name, mf, entries))
+        return files
+
+    def _copy_into(self, spec: tuple[str, MappedFile, list]) -> list[WriteResult]:
+        name, mf, entries = spec
+        if any(t.device.type == "cuda" for _, _, t in entries):
+            register_host(mf)
+        out = []
+        for item, off, t in entries:
+            dst = mf.tensor(off, t.dtype, t.shape)
+            dst.copy_(t)
+            n = t.numel() * t.element_size()
+            loc = ShardLocation(
+                name, off, n, checksum_memory(mf.address + off, n), dtype_name(t.dtype), tuple(t.shape)
+            )
+            out.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=loc))
+        return out
+
+    def _write_objects(self, objects: list[tuple[WriteItem, memoryview]]) -> None:
+        if not objects:
+            return
+        name = objects_name(self.rank)
+        blob = bytearray()
+        for item, buf in objects:
+            off = len(blob)
+            blob += buf
+            blob += b"\0" * (-len(blob) % ITEM_ALIGN)
+            loc = ShardLocation(name, off, len(buf), checksum_bytes(buf))
+            self.results.append(WriteResult(index=item.index, size_in_bytes=len(buf), storage_data=loc))
+        write_atomic(self.dir / name, bytes(blob))

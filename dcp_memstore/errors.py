@@ -1,0 +1,44 @@
+"""Exceptions raised by dcp_memstore.
+
+Each one says what went wrong and what to do about it; they subclass the built-in type a caller would
+catch anyway (ValueError, FileNotFoundError, OSError, ...) so generic handlers keep working.
+"""
+
+from __future__ import annotations
+
+
+class InsufficientSpaceError(OSError):
+    """The node-local store has too little free memory for a checkpoint; raised before anything is written."""
+
+    def __init__(self, root: str, needed: int, free: int, detail: str = "") -> None:
+        self.root, self.needed, self.free = root, needed, free
+        msg = (
+            f"not enough space in {root} for this checkpoint: {needed} bytes needed, {free} bytes free"
+            f"{' (' + detail + ')' if detail else ''}. Lower keep_in_memory, give the tmpfs more room "
+            f"(mount -o remount,size=...), or free memory; the previous checkpoints are untouched."
+        )
+        super().__init__(28, msg)  # 28 == ENOSPC
+
+    def __str__(self) -> str:  # OSError's default prefixes "[Errno 28]", which hides the message's start
+        return self.strerror
+
+
+class ChecksumMismatchError(RuntimeError):
+    """Stored bytes do not match the checksum recorded when they were written."""
+
+    def __init__(self, path: str, item: str, expected: int, actual: int) -> None:
+        self.path, self.item, self.expected, self.actual = path, item, expected, actual
+        super().__init__(
+            f"checksum mismatch in {path} for item {item}: expected crc32c {expected:#010x}, "
+            f"got {actual:#010x}. The stored copy is corrupt; load another checkpoint "
+            f"(store.list_checkpoints()) or turn verification off with MemStore(verify_checksums=False) "
+            f"only if you accept corrupt data."
+        )
+
+
+class CheckpointExistsError(FileExistsError):
+    """A committed checkpoint with this id already exists in the store."""
+
+
+class StagingTimeoutError(TimeoutError):
+    """A new save waited too long for an earlier one to finish its writes."""

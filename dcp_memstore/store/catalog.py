@@ -1,0 +1,185 @@
+"""The commit protocol on disk: in-progress and commit markers, the list of committed checkpoints,
+eviction, and clearing what dead saves left behind.
+
+A checkpoint directory appears (atomic rename of a directory that already holds its INPROGRESS marker),
+receives every rank's data, then the coordinator writes the manifest and last the COMMITTED marker, each by
+an atomic rename. Only a directory with COMMITTED is a checkpoint. Eviction renames the directory out of
+``checkpoints/`` first, so a checkpoint disappears at once and whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from dcp_memstore.store.layout import COMMITTED, INPROGRESS, StoreLayout, shard_rank
+from dcp_memstore.store.pool import FilePool
+from dcp_memstore.store.records import read_record, write_record
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """What the COMMITTED marker of a checkpoint says."""
+
+    checkpoint_id: str
+    seq: int
+    committed_at: float
+    nbytes: int
+
+
+def _owner() -> dict:
+    p = psutil.Process()
+    return {
+        "pid": p.pid,
+        "create_time": p.create_time(),
+        "host": socket.gethostname(),
+        "started": time.time(),
+    }
+
+
+def _owner_alive(owner: dict) -> bool:
+    if owner.get("host") != socket.gethostname():
+        return True  # not ours to judge
+    try:
+        return abs(psutil.Process(owner["pid"]).create_time() - owner["create_time"]) < 1e-3
+    except (psutil.NoSuchProcess, KeyError, TypeError):
+        return False
+
+
+def _is_self(owner: dict) -> bool:
+    me = psutil.Process()
+    return owner.get("pid") == me.pid and abs(owner.get("create_time", 0) - me.create_time()) < 1e-3
+
+
+def begin(layout: StoreLayout, checkpoint_id: str) -> Path:
+    """Create the checkpoint's directory, already holding its INPROGRESS marker (coordinator only)."""
+    final = layout.checkpoint_dir(checkpoint_id)
+    tmp = layout.checkpoints_dir / f".new-{uuid.uuid4().hex}"
+    tmp.mkdir(parents=True)
+    write_record(tmp / INPROGRESS, _owner())
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def commit(layout: StoreLayout, checkpoint_id: str, nbytes: int) -> CommitRecord:
+    """Write the COMMITTED marker: from here on the checkpoint is visible (coordinator only)."""
+    d = layout.checkpoint_dir(checkpoint_id)
+    seq = max((r.seq for r in committed(layout)), default=0) + 1
+    rec = CommitRecord(checkpoint_id, seq, time.time(), nbytes)
+    write_record(d / COMMITTED, {"seq": rec.seq, "committed_at": rec.committed_at, "nbytes": nbytes})
+    (d / INPROGRESS).unlink(missing_ok=True)
+    return rec
+
+
+def read_commit(layout: StoreLayout, checkpoint_id: str) -> CommitRecord | None:
+    try:
+        r = read_record(layout.checkpoint_dir(checkpoint_id) / COMMITTED)
+        return CommitRecord(checkpoint_id, int(r["seq"]), float(r["committed_at"]), int(r["nbytes"]))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def committed(layout: StoreLayout) -> list[CommitRecord]:
+    """Committed checkpoints, oldest first."""
+    out = []
+    try:
+        names = [
+            e.name for e in os.scandir(layout.checkpoints_dir) if e.is_dir() and not e.name.startswith(".")
+        ]
+    except FileNotFoundError:
+        return []
+    for name in names:
+        rec = read_commit(layout, name)
+        if rec is not None:
+            out.append(rec)
+    return sorted(out, key=lambda r: r.seq)
+
+
+def discard(layout: StoreLayout, directory: Path) -> None:
+    """Make ``directory`` invisible at once (rename into trash), return its shard files to their ranks'
+    pools, and delete the rest."""
+    trash = layout.trash_dir / f"{directory.name}.{uuid.uuid4().hex[:8]}"
+    try:
+        os.rename(directory, trash)
+    except FileNotFoundError:
+        return
+    recycle(layout, trash)
+
+
+def recycle(layout: StoreLayout, directory: Path) -> None:
+    """Move the shard files under ``directory`` into their ranks' pools and delete the directory."""
+    try:
+        entries = list(os.scandir(directory))
+    except FileNotFoundError:
+        return  # another process recycled it first
+    for entry in entries:
+        rank = shard_rank(entry.name) if entry.is_file() else None
+        if rank is not None:
+            with contextlib.suppress(FileNotFoundError):
+                FilePool(layout, rank).release(Path(entry.path))
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def evict(layout: StoreLayout, keep: int, protected: frozenset[str] = frozenset()) -> list[str]:
+    """Evict all but the ``keep`` newest committed checkpoints (never one in ``protected``)."""
+    recs = committed(layout)
+    victims = [r.checkpoint_id for r in recs[: max(0, len(recs) - keep)] if r.checkpoint_id not in protected]
+    for cid in victims:
+        discard(layout, layout.checkpoint_dir(cid))
+    return victims
+
+
+def clear_abandoned(layout: StoreLayout, before: float | None = None) -> list[str]:
+    """Discard uncommitted checkpoint directories whose saving process is dead, and (with ``before``) those
+    this process started before time ``before`` and never committed. Also empties the trash."""
+    cleared = []
+    try:
+        entries = list(os.scandir(layout.checkpoints_dir))
+    except FileNotFoundError:
+        return cleared
+    for e in entries:
+        if not e.is_dir():
+            continue
+        d = Path(e.path)
+        if e.name.startswith(".new-"):
+            owner = _safe_read(d / INPROGRESS)
+            if owner is None or not _owner_alive(owner):
+                shutil.rmtree(d, ignore_errors=True)
+            continue
+        if (d / COMMITTED).exists():
+            continue
+        owner = _safe_read(d / INPROGRESS)
+        if owner is None:
+            if (d / COMMITTED).exists():
+                continue
+            stale = True  # neither marker: a directory no save protocol step leaves behind
+        else:
+            stale = not _owner_alive(owner) or (
+                before is not None and _is_self(owner) and owner.get("started", before) < before
+            )
+        if stale:
+            discard(layout, d)
+            cleared.append(e.name)
+    for t in list(os.scandir(layout.trash_dir)) if layout.trash_dir.exists() else []:
+        recycle(layout, Path(t.path))
+    return cleared
+
+
+def _safe_read(path: Path) -> dict | None:
+    try:
+        r = read_record(path)
+        return r if isinstance(r, dict) else None
+    except (FileNotFoundError, ValueError):
+        return None

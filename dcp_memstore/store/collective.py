@@ -1,0 +1,44 @@
+"""Agreeing across ranks without pickling: msgpack bytes exchanged as uint8 tensors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+from dcp_memstore.store.checksum import memory_view
+
+
+def dist_active(group: Any = None) -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _device(group: Any) -> torch.device:
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend(group) == "nccl"
+        else torch.device("cpu")
+    )
+
+
+def all_gather_records(record: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``record`` (msgpack-encodable), in rank order."""
+    if not dist_active(group):
+        return [record]
+    dev = _device(group)
+    data = torch.frombuffer(bytearray(msgpack.packb(record, use_bin_type=True)), dtype=torch.uint8).to(dev)
+    n = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(n)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=dev), group=group)
+    longest = max(int(s.item()) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=dev)
+    padded[: data.numel()] = data
+    bufs = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(n)]
+    dist.all_gather(bufs, padded, group=group)
+    out = []
+    for buf, size in zip(bufs, sizes, strict=False):
+        host = buf[: int(size.item())].cpu().contiguous()
+        out.append(msgpack.unpackb(bytes(memory_view(host.data_ptr(), host.numel())), raw=False))
+    return out

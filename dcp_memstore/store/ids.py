@@ -1,0 +1,34 @@
+"""Validation of checkpoint ids and job ids: short names inside the store, never paths."""
+
+from __future__ import annotations
+
+import os
+import re
+
+MAX_ID_LENGTH = 128
+_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_RULE = (
+    "letters, digits, '.', '_' and '-', starting with a letter or digit, at most "
+    f"{MAX_ID_LENGTH} characters, no path separators and no '..'"
+)
+
+
+def validate_name(value: object, what: str = "checkpoint id") -> str:
+    """Return ``value`` as a str if it is a valid store name, else raise ``ValueError`` saying why."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise ValueError(f"{what} must be a str such as 'step-100', got {type(value).__name__}: {value!r}")
+    if not value:
+        reason = "it is empty"
+    elif len(value) > MAX_ID_LENGTH:
+        reason = f"it is {len(value)} characters long"
+    elif "/" in value or "\\" in value or os.sep in value:
+        reason = "it contains a path separator (a checkpoint id is a name inside the store, not a path)"
+    elif ".." in value:
+        reason = "it contains '..'"
+    elif not _ID_RE.fullmatch(value):
+        reason = "it contains characters outside the allowed set"
+    else:
+        return value
+    raise ValueError(f"invalid {what} {value!r}: {reason}. Use {_RULE}, e.g. 'step-100'.")

@@ -1,0 +1,76 @@
+"""Where everything lives under the store root.
+
+    <root>/<job_id>/checkpoints/<checkpoint_id>/   one checkpoint: shard files, manifest, markers
+    <root>/<job_id>/staging/<slot>/                async-save staging areas (become checkpoint files)
+    <root>/<job_id>/pool/rank<r>/                  shard files of evicted checkpoints, reused by rank r
+    <root>/<job_id>/trash/                         checkpoints being evicted or cleared
+
+A checkpoint directory is visible to readers only once its COMMITTED marker exists.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+INPROGRESS = "INPROGRESS"
+COMMITTED = "COMMITTED"
+MANIFEST = "manifest.msgpack"
+SHARD_SUFFIX = ".shard"
+_SHARD_RE = re.compile(r"__(\d+)_(\d+)\.shard")
+
+
+def shard_name(rank: int, index: int) -> str:
+    """File name of rank ``rank``'s ``index``-th shard file inside a checkpoint directory."""
+    return f"__{rank}_{index}{SHARD_SUFFIX}"
+
+
+def objects_name(rank: int) -> str:
+    """File name of rank ``rank``'s serialized non-tensor values inside a checkpoint directory."""
+    return f"__{rank}_objects.bin"
+
+
+def shard_rank(name: str) -> int | None:
+    """The rank that wrote shard file ``name``, or None if ``name`` is not a shard file."""
+    m = _SHARD_RE.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class StoreLayout:
+    """Paths of one job's store; pure path arithmetic, no I/O."""
+
+    root: Path
+    job_id: str
+
+    @property
+    def job_dir(self) -> Path:
+        return self.root / self.job_id
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.job_dir / "checkpoints"
+
+    @property
+    def staging_dir(self) -> Path:
+        return self.job_dir / "staging"
+
+    @property
+    def trash_dir(self) -> Path:
+        return self.job_dir / "trash"
+
+    def checkpoint_dir(self, checkpoint_id: str) -> Path:
+        return self.checkpoints_dir / checkpoint_id
+
+    def pool_dir(self, rank: int) -> Path:
+        return self.job_dir / "pool" / f"rank{rank}"
+
+    @property
+    def pools_dir(self) -> Path:
+        return self.job_dir / "pool"
+
+    def ensure(self) -> None:
+        """Create the job's directories (idempotent, safe to race between ranks)."""
+        for d in (self.checkpoints_dir, self.staging_dir, self.trash_dir, self.pools_dir):
+            d.mkdir(parents=True, exist_ok=True)

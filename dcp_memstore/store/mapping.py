@@ -1,0 +1,176 @@
+"""Shard files mapped into the process as torch storages, cached for the life of the process.
+
+A shard file is mapped once (MAP_SHARED, through torch's fd-backed shared storage) and the mapping is kept
+while the file exists, so a file reused by a later checkpoint costs no new page faults and, on a GPU
+machine, no new ``cudaHostRegister``. Tensors made from a mapping are views of the file: a device-to-host
+copy into them lands in tmpfs directly, a read from them copies nothing. Because the storage is an fd-backed
+shared storage, tensors staged in the trainer process reach DCP's checkpoint subprocess (PROCESS executor)
+as the same file mapping instead of a copy, and the subprocess can tell which file holds them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+_MADV_POPULATE_READ = 22
+_MADV_POPULATE_WRITE = 23
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _populate(address: int, nbytes: int, write: bool) -> None:
+    """Fault the whole range in with one call (Linux >= 5.14); a no-op where the kernel lacks it."""
+    advice = _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ
+    _libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), ctypes.c_int(advice))
+
+
+@dataclass(eq=False)
+class MappedFile:
+    """One shard file mapped into this process."""
+
+    key: tuple[int, int]  # (st_dev, st_ino): identity that survives renames
+    fd: int
+    size: int
+    storage: torch.UntypedStorage
+    host_registered: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def address(self) -> int:
+        return self.storage.data_ptr()
+
+    @property
+    def path(self) -> str:
+        """The file's current path (follows renames)."""
+        return os.readlink(f"/proc/self/fd/{self.fd}")
+
+    def exists(self) -> bool:
+        """False once the file has been deleted from every directory."""
+        return os.fstat(self.fd).st_nlink > 0
+
+    def tensor(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
+        """A tensor of ``dtype`` and ``shape`` viewing the file's bytes from ``offset`` (no copy)."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if offset % itemsize:
+            raise ValueError(f"offset {offset} is not aligned to {dtype} ({itemsize} bytes)")
+        numel = 1
+        for s in shape:
+            numel *= s
+        if offset + numel * itemsize > self.size:
+            raise ValueError(
+                f"range [{offset}, {offset + numel * itemsize}) is outside {self.path} ({self.size} bytes)"
+            )
+        return torch.empty(0, dtype=dtype).set_(self.storage, offset // itemsize, tuple(shape))
+
+    def contains(self, t: torch.Tensor) -> int | None:
+        """Byte offset of contiguous tensor ``t`` inside this file, or None if ``t`` is not a view of it."""
+        if t.device.type != "cpu" or not t.is_contiguous():
+            return None
+        try:
+            if t.untyped_storage().data_ptr() != self.address:
+                return None
+        except RuntimeError:
+            return None
+        offset = t.data_ptr() - self.address
+        return offset if offset >= 0 and offset + t.numel() * t.element_size() <= self.size else None
+
+
+class _MappingCache:
+    """Process-wide registry of mapped shard files, by file identity and by mapping address."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_key: dict[tuple[int, int], MappedFile] = {}
+        self._by_address: dict[int, MappedFile] = {}
+
+    def map_fd(self, fd: int, populate_write: bool) -> MappedFile:
+        """Map the file open as ``fd`` (the cache takes ownership of ``fd``)."""
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino)
+        with self._lock:
+            cached = self._by_key.get(key)
+            if cached is not None and cached.size == st.st_size:
+                os.close(fd)
+                return cached
+            if cached is not None:
+                self._forget(cached)
+        if st.st_size == 0:
+            os.close(fd)
+            raise ValueError("cannot map an empty shard file")
+        storage = torch.UntypedStorage._new_shared_fd_cpu(fd, st.st_size)
+        _populate(storage.data_ptr(), st.st_size, populate_write)
+        mf = MappedFile(key=key, fd=fd, size=st.st_size, storage=storage)
+        with self._lock:
+            self._by_key[key] = mf
+            self._by_address[mf.address] = mf
+        return mf
+
+    def map_path(self, path: Path | str, populate_write: bool = False) -> MappedFile:
+        """Map the file at ``path`` (cached by identity: a renamed file keeps its mapping)."""
+        return self.map_fd(os.open(path, os.O_RDWR | os.O_CLOEXEC), populate_write)
+
+    def find(self, t: torch.Tensor) -> MappedFile | None:
+        """The mapped shard file ``t`` is a view of, or None.
+
+        Also recognises a mapping that arrived from another process (a tensor pickled by DCP's PROCESS
+        executor carries the file's descriptor), and adopts it into the cache.
+        """
+        if t.device.type != "cpu":
+            return None
+        try:
+            storage = t.untyped_storage()
+        except RuntimeError:
+            return None
+        with self._lock:
+            mf = self._by_address.get(storage.data_ptr())
+        if mf is not None or not storage.is_shared():
+            return mf
+        try:
+            fd, size = storage._share_fd_cpu_()
+        except RuntimeError:
+            return None
+        st = os.fstat(fd)
+        if st.st_size != size:
+            return None
+        mf = MappedFile(key=(st.st_dev, st.st_ino), fd=os.dup(fd), size=size, storage=storage)
+        with self._lock:
+            self._by_key.setdefault(mf.key, mf)
+            self._by_address[mf.address] = mf
+        return mf
+
+    def is_mapped(self, key: tuple[int, int]) -> bool:
+        with self._lock:
+            return key in self._by_key
+
+    def prune(self) -> None:
+        """Drop mappings of files that no longer exist anywhere, so their memory can be freed."""
+        with self._lock:
+            dead = [mf for mf in self._by_key.values() if not mf.exists()]
+            for mf in dead:
+                self._forget(mf)
+
+    def forget(self, mf: MappedFile) -> None:
+        """Drop ``mf`` from the cache (its memory is freed once no tensor views it)."""
+        with self._lock:
+            self._forget(mf)
+
+    def _forget(self, mf: MappedFile) -> None:
+        self._by_key.pop(mf.key, None)
+        self._by_address.pop(mf.address, None)
+        if mf.host_registered:
+            from dcp_memstore.store.pinned import unregister_host
+
+            unregister_host(mf)
+        os.close(mf.fd)
+
+
+MAPPINGS = _MappingCache()

@@ -1,0 +1,48 @@
+"""Small msgpack records on disk: atomic writes and size-capped, pickle-free reads.
+
+Every control file of the store (markers, manifests) goes through here, so a crash never leaves a
+half-written one visible: data goes to a temporary name in the same directory and is renamed into place.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+MAX_RECORD_BYTES = 1 << 30  # a manifest of a very large model stays far below this
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see either the old file or the whole new one."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_record(path: Path, record: Any) -> None:
+    """Atomically write ``record`` (msgpack-encodable) to ``path``."""
+    write_atomic(path, msgpack.packb(record, use_bin_type=True))
+
+
+def read_record(path: Path, max_bytes: int = MAX_RECORD_BYTES) -> Any:
+    """Read a msgpack record; raises FileNotFoundError if absent and ValueError if too large or malformed."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > max_bytes:
+            raise ValueError(f"{path} is {size} bytes, more than the {max_bytes} allowed for a record")
+        data = f.read()
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False, max_bin_len=max_bytes)
+    except Exception as e:  # msgpack raises several unrelated types for bad input
+        raise ValueError(f"{path} is not a valid dcp_memstore record: {e}") from e

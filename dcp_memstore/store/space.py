@@ -1,0 +1,80 @@
+"""Admission control for the node-local store: is there room for a checkpoint, and is the root in memory?
+
+A tmpfs file that outgrows the memory behind it kills the writer with SIGBUS, so every shard file is
+allocated up front (``allocate_file``) and the bytes a checkpoint needs are checked against what the file
+system and the machine's memory can still give before anything is written.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import psutil
+
+from dcp_memstore.errors import InsufficientSpaceError
+
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
+
+
+def filesystem_type(path: Path) -> str:
+    """The type of the file system holding ``path`` (longest matching mount point), or '' if unknown."""
+    target = os.path.realpath(path)
+    best, fstype = "", ""
+    for part in psutil.disk_partitions(all=True):
+        mp = part.mountpoint
+        if (target == mp or target.startswith(mp.rstrip("/") + "/")) and len(mp) > len(best):
+            best, fstype = mp, part.fstype
+    return fstype
+
+
+def is_memory_backed(path: Path) -> bool:
+    """True if ``path`` lies on a memory file system (tmpfs, ramfs, hugetlbfs)."""
+    return filesystem_type(path) in MEMORY_FILESYSTEMS
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes a new file under ``path`` can still take: the file system's free space, and for a memory
+    file system also no more than the machine's available memory."""
+    st = os.statvfs(path)
+    free = st.f_bavail * st.f_frsize
+    if is_memory_backed(path):
+        free = min(free, psutil.virtual_memory().available)
+    return free
+
+
+def check_space(path: Path, needed: int, reusable: int = 0) -> None:
+    """Raise InsufficientSpaceError unless ``needed`` bytes fit in the free space plus ``reusable`` bytes of
+    already-allocated files that the write will reuse."""
+    free = free_bytes(path)
+    if needed > free + reusable:
+        detail = f"{reusable} more bytes reusable from evicted checkpoints" if reusable else ""
+        raise InsufficientSpaceError(str(path), needed, free + reusable, detail)
+
+
+def allocate_file(path: Path, size: int) -> int:
+    """Create (or grow) ``path`` to ``size`` bytes with every block allocated; return an O_RDWR fd.
+
+    On a full file system this raises InsufficientSpaceError and leaves no file behind (a new file) or the
+    file's old size (an existing one), instead of the SIGBUS a sparse tmpfs file gives later.
+    """
+    existed = path.exists()
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        old = os.fstat(fd).st_size
+        if size > old:
+            os.posix_fallocate(fd, 0, size)
+        elif size < old:
+            os.ftruncate(fd, size)
+        return fd
+    except OSError as e:
+        os.close(fd)
+        if not existed:
+            path.unlink(missing_ok=True)
+        else:
+            with open(path, "r+b") as f:
+                f.truncate(old)
+        if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EDQUOT):
+            raise InsufficientSpaceError(str(path.parent), size, free_bytes(path.parent)) from e
+        raise

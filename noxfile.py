@@ -1,0 +1,57 @@
+"""Developer sessions: ``nox -s tests``, ``nox -s demo``, ``nox -s bench``, ``nox -s lint``.
+
+Every session installs torch 2.13.0 first, by exact version, so that installing this package (whose
+dependency on torch is a range) never pulls another torch build.
+"""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+nox.options.sessions = ["lint", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+TORCH = os.environ.get("DCP_MEMSTORE_TORCH", "torch==2.13.0")
+
+
+def _install(session: nox.Session, extras: str = "dev") -> None:
+    session.install(TORCH)
+    session.install("-e", f".[{extras}]", "--constraint", _constraints(session))
+
+
+def _constraints(session: nox.Session) -> str:
+    """A pip constraints file pinning torch to the version just installed, for every later install."""
+    path = os.path.join(session.create_tmp(), "constraints.txt")
+    with open(path, "w") as f:
+        f.write(TORCH + "\n")
+    return path
+
+
+@nox.session(python="3.11")
+def tests(session: nox.Session) -> None:
+    """The test suite (GPU tests skip without CUDA)."""
+    _install(session)
+    session.run("pytest", "-q", *session.posargs)
+
+
+@nox.session(python="3.11")
+def demo(session: nox.Session) -> None:
+    """Train with async checkpoints, SIGKILL a rank mid-run, resume, and compare bit for bit."""
+    _install(session)
+    session.run("python", "examples/demo.py", *session.posargs)
+
+
+@nox.session(python="3.11")
+def bench(session: nox.Session) -> None:
+    """The core benchmark: save/load throughput against FileSystemWriter and the memcpy bound."""
+    _install(session)
+    session.run("python", "benchmarks/bench_core.py", *session.posargs)
+
+
+@nox.session(python="3.11")
+def lint(session: nox.Session) -> None:
+    session.install("ruff")
+    session.run("ruff", "check", "dcp_memstore", "tests", "examples", "benchmarks", "noxfile.py")
+    session.run("ruff", "format", "--check", "dcp_memstore", "tests", "examples", "benchmarks", "noxfile.py")
