@@ -24,6 +24,7 @@ from dcp_memstore.dcp import state_tree
 from dcp_memstore.dcp.save_order import SaveOrder, Ticket
 from dcp_memstore.errors import StagingTimeoutError
 from dcp_memstore.store.catalog import recycle
+from dcp_memstore.store.faults import crash_point
 from dcp_memstore.store.layout import shard_name
 from dcp_memstore.store.mapping import MappedFile
 from dcp_memstore.store.memstore import MemStore
@@ -117,8 +118,10 @@ class Stager:
             by_bin.setdefault(placements[i].bin, []).append(i)
 
         def copy_bin(idx: list[int]) -> None:
-            for i in idx:
+            for n, i in enumerate(idx):
                 dst[i].copy_(src[i].detach())
+                if n == 0:
+                    crash_point("stage-copy", current_rank())
 
         if len(by_bin) > 1:
             with ThreadPoolExecutor(len(by_bin)) as ex:

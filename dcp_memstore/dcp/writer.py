@@ -33,6 +33,7 @@ from dcp_memstore.dcp.stager import Stager, current_rank
 from dcp_memstore.errors import CheckpointExistsError
 from dcp_memstore.store import catalog
 from dcp_memstore.store.checksum import checksum_bytes, checksum_memory
+from dcp_memstore.store.faults import crash_point
 from dcp_memstore.store.ids import validate_name
 from dcp_memstore.store.layout import MANIFEST, objects_name, shard_name
 from dcp_memstore.store.manifest import Manifest, ManifestItem, ShardLocation
@@ -186,7 +187,9 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         ]
         manifest = Manifest(self.checkpoint_id, len(results), items, encode_metadata(metadata))
         manifest.write(layout.checkpoint_dir(self.checkpoint_id) / MANIFEST)
+        crash_point("before-commit", self.rank)
         catalog.commit(layout, self.checkpoint_id, manifest.nbytes)
+        crash_point("after-commit", self.rank)
         catalog.evict(layout, self.store.keep_in_memory)
         catalog.clear_abandoned(layout, before=self._save_started)
         for rank in range(len(results)):
@@ -242,6 +245,7 @@ class _RankWrite:
             for part in ex.map(lambda job: job(), jobs):
                 self.results.extend(part)
         self._write_objects(objects)
+        crash_point("write-data", self.rank)
         for key, (mf, _) in staged.items():
             os.rename(mf.path, self.dir / names[key])
         if self.slot is not None:
