@@ -1,0 +1,82 @@
+"""The ``dcp-memstore`` command: look at and tidy a node's checkpoint store.
+
+dcp-memstore list   [--root DIR] [--job-id ID]     committed checkpoints, oldest first, with sizes
+dcp-memstore show   ID [--root DIR] [--job-id ID]  one checkpoint's files and items
+dcp-memstore delete ID [--root DIR] [--job-id ID]  remove one committed checkpoint
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from dcp_memstore.store import catalog
+from dcp_memstore.store.layout import MANIFEST
+from dcp_memstore.store.manifest import Manifest
+from dcp_memstore.store.memstore import MemStore
+
+
+def _store(args: argparse.Namespace) -> MemStore:
+    return MemStore(root=args.root, job_id=args.job_id)
+
+
+def _list(args: argparse.Namespace) -> int:
+    store = _store(args)
+    recs = catalog.committed(store.layout)
+    print(f"store {store.layout.job_dir}: {len(recs)} committed checkpoint(s)")
+    for r in recs:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.committed_at))
+        print(f"  {r.checkpoint_id:<32} seq {r.seq:<6} {r.nbytes / 2**20:10.1f} MiB  {when}")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    d = _store(args).require_checkpoint(args.checkpoint_id)
+    m = Manifest.read(d / MANIFEST)
+    print(
+        f"checkpoint {m.checkpoint_id}: {len(m.items)} items, {m.nbytes} bytes, written by {m.world_size} rank(s)"
+    )
+    for name, size in sorted(m.files.items()):
+        print(f"  {name:<24} {size:>14} bytes")
+    if args.items:
+        for it in m.items:
+            loc = it.location
+            print(
+                f"  {it.fqn:<40} {loc.file:<20} @{loc.offset:<12} {loc.length:>12} B {loc.dtype or 'bytes'} {loc.shape or ''}"
+            )
+    return 0
+
+
+def _delete(args: argparse.Namespace) -> int:
+    _store(args).delete(args.checkpoint_id)
+    print(f"deleted {args.checkpoint_id}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="dcp-memstore", description=__doc__.splitlines()[0])
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--root", help="store root (default: $DCP_MEMSTORE_ROOT or /dev/shm/dcp_memstore)")
+    common.add_argument(
+        "--job-id", help="job id (default: $DCP_MEMSTORE_JOB_ID, torchrun's run id, or 'default')"
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", parents=[common], help="list committed checkpoints").set_defaults(fn=_list)
+    show = sub.add_parser("show", parents=[common], help="describe one checkpoint")
+    show.add_argument("checkpoint_id")
+    show.add_argument("--items", action="store_true", help="also list every stored item")
+    show.set_defaults(fn=_show)
+    delete = sub.add_parser("delete", parents=[common], help="remove one committed checkpoint")
+    delete.add_argument("checkpoint_id")
+    delete.set_defaults(fn=_delete)
+    args = p.parse_args(argv)
+    try:
+        return args.fn(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"dcp-memstore: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
