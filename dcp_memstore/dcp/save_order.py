@@ -88,6 +88,13 @@ class SaveOrder:
             time.sleep(delay)
             delay = min(delay * 2, 0.02)
 
+    def cancel(self, seq: int) -> None:
+        """Forget a ticket whose save will never run here (no thread ever bound to it)."""
+        with self._lock:
+            t = self._tickets.get(seq)
+            if t is not None and t.thread is None:
+                del self._tickets[seq]
+
     def mark_remote(self, seq: int) -> None:
         with self._lock:
             t = self._tickets.get(seq)

@@ -26,7 +26,7 @@ from dcp_memstore.errors import StagingTimeoutError
 from dcp_memstore.store.catalog import recycle
 from dcp_memstore.store.faults import crash_point
 from dcp_memstore.store.layout import shard_name
-from dcp_memstore.store.mapping import MappedFile
+from dcp_memstore.store.mapping import MAPPINGS, MappedFile
 from dcp_memstore.store.memstore import MemStore
 from dcp_memstore.store.packing import pack
 from dcp_memstore.store.pinned import register_host
@@ -71,6 +71,7 @@ class Stager:
         with self._lock:
             rank = current_rank()
             self._wait_for_room()
+            MAPPINGS.prune()
             originals = [t for t in state_tree.tensors(state_dict) if stageable(t)]
             sizes = [t.numel() * t.element_size() for t in originals]
             placements, file_sizes = pack(sizes, self.store.io_threads)

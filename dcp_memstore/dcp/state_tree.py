@@ -29,7 +29,7 @@ def tensors(value: Any) -> list[torch.Tensor]:
 
     def walk(v: Any) -> None:
         if isinstance(v, DTensor):
-            out.append(v.to_local())
+            out.append(v._local_tensor)  # the very object rebuild() sees, not a fresh view
         elif isinstance(v, ShardedTensor):
             out.extend(s.tensor for s in v.local_shards())
         elif isinstance(v, torch.Tensor):
@@ -45,7 +45,7 @@ def tensors(value: Any) -> list[torch.Tensor]:
 def rebuild(value: Any, replace: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """``value`` with each tensor from ``tensors(value)`` passed through ``replace``, in the same order."""
     if isinstance(value, DTensor):
-        local = replace(value.to_local())
+        local = replace(value._local_tensor)
         return DTensor.from_local(
             local,
             value.device_mesh,

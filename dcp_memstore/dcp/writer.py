@@ -64,7 +64,7 @@ def _releases_slot_on_error(method: F) -> F:
 
 def _nbytes(item: WriteItem) -> int:
     td = item.tensor_data
-    return td.size.numel() * torch.empty((), dtype=td.properties.dtype).element_size() if td else 0
+    return td.size.numel() * td.properties.dtype.itemsize if td else 0
 
 
 class MemoryStorageWriter(StorageWriter, AsyncStager):
@@ -80,16 +80,21 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         self.is_coordinator = False
         self.rank = 0
         self._pending: deque = deque()  # (ticket seq, slot) of states staged by this writer, oldest first
-        self._current: tuple[int, str | None] | None = None
+        self._current: tuple[int, str | None] | None = None  # this save's (ticket seq, staging slot)
+        self._armed = False  # reset() ran for the save in progress
         self._save_started = 0.0
 
     # -- pickling (DCP's PROCESS executor sends the writer to its checkpoint process) -------------------
 
     def __getstate__(self) -> dict[str, Any]:
+        """The receiving process takes over the saves staged so far: it runs them, in its own order."""
         order = SaveOrder.of(str(self.store.layout.job_dir))
+        state = dict(self.__dict__)
+        state["_pending"] = deque(self._pending)
         for seq, _ in self._pending:
             order.mark_remote(seq)
-        return dict(self.__dict__)
+        self._pending.clear()
+        return state
 
     # -- AsyncStager -----------------------------------------------------------------------------------
 
@@ -103,20 +108,24 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         """Nothing to wait for: ``stage`` returns only once every copy has landed."""
 
     def close(self) -> None:
-        self.store.close()
+        """Nothing to release: staging files belong to the store and are recycled by it."""
 
     # -- StorageWriter ---------------------------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        self._current = self._pending.popleft() if self._pending else None
-        self._begin(checkpoint_id)
-
-    @_releases_slot_on_error
-    def _begin(self, checkpoint_id: str | os.PathLike | None) -> None:
-        self.checkpoint_id = None if checkpoint_id is None else validate_name(checkpoint_id)
-        SaveOrder.of(str(self.store.layout.job_dir)).begin(
-            self._current[0] if self._current else None, self.store.stage_timeout_s
-        )
+        """First step of every save DCP runs with this writer (``checkpoint_id`` given)."""
+        ticket = self._pending.popleft() if self._pending else None
+        try:
+            cid = None if checkpoint_id is None else validate_name(checkpoint_id)
+            # Wait for earlier saves of this job in this process before touching any per-save state.
+            SaveOrder.of(str(self.store.layout.job_dir)).begin(
+                ticket[0] if ticket else None, self.store.stage_timeout_s
+            )
+        except BaseException:
+            self._current = ticket
+            self._release_slot()
+            raise
+        self._current, self.checkpoint_id, self._armed = ticket, cid, True
         self._save_started = time.time()
 
     @classmethod
@@ -169,6 +178,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
 
     @_releases_slot_on_error
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        MAPPINGS.prune()
         results = _RankWrite(self, plan, planner).run()
         self._current = None
         fut: Future[list[WriteResult]] = Future()
@@ -196,8 +206,12 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             FilePool(layout, rank).trim(keep=self.store.max_in_flight * self.store.io_threads)
 
     def _release_slot(self) -> None:
-        if self._current is not None and self._current[1] is not None:
-            catalog.recycle(self.store.layout, Path(self._current[1]))
+        """This save failed: recycle its staging slot, and drop its ticket if it never started."""
+        if self._current is not None:
+            seq, slot = self._current
+            if slot is not None:
+                catalog.recycle(self.store.layout, Path(slot))
+            SaveOrder.of(str(self.store.layout.job_dir)).cancel(seq)
         self._current = None
 
 

@@ -59,7 +59,7 @@ class MappedFile:
 
     def tensor(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
         """A tensor of ``dtype`` and ``shape`` viewing the file's bytes from ``offset`` (no copy)."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         if offset % itemsize:
             raise ValueError(f"offset {offset} is not aligned to {dtype} ({itemsize} bytes)")
         numel = 1
