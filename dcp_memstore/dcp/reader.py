@@ -101,6 +101,8 @@ class MemoryStorageReader(StorageReader):
                     f"{req.storage_index.fqn}: stored region {tuple(src.size())} does not match "
                     f"destination {tuple(dst.size())}"
                 )
+            if dst.is_cuda:
+                mf.pin_for_cuda()  # host-to-device from page-locked tmpfs pages
             copies.append((req, src, dst))
         with ThreadPoolExecutor(max(1, self.store.io_threads)) as ex:
             list(ex.map(lambda c: c[2].copy_(c[1]), copies))

@@ -29,7 +29,6 @@ from dcp_memstore.store.layout import shard_name
 from dcp_memstore.store.mapping import MAPPINGS, MappedFile
 from dcp_memstore.store.memstore import MemStore
 from dcp_memstore.store.packing import pack
-from dcp_memstore.store.pinned import register_host
 from dcp_memstore.store.pool import FilePool
 from dcp_memstore.store.space import check_space
 
@@ -106,7 +105,7 @@ class Stager:
         on_gpu = [i for i, t in enumerate(src) if t.device.type == "cuda"]
         if on_gpu:
             for f in {placements[i].bin for i in on_gpu}:
-                register_host(files[f])
+                files[f].pin_for_cuda()
             if self._stream is None:
                 self._stream = torch.cuda.Stream()
             self._stream.wait_stream(torch.cuda.current_stream())

@@ -40,7 +40,6 @@ from dcp_memstore.store.manifest import Manifest, ManifestItem, ShardLocation
 from dcp_memstore.store.mapping import MAPPINGS, MappedFile
 from dcp_memstore.store.memstore import MemStore
 from dcp_memstore.store.packing import ITEM_ALIGN, pack
-from dcp_memstore.store.pinned import register_host
 from dcp_memstore.store.pool import FilePool
 from dcp_memstore.store.records import write_atomic
 from dcp_memstore.store.space import check_space
@@ -306,7 +305,7 @@ class _RankWrite:
     def _copy_into(self, spec: tuple[str, MappedFile, list]) -> list[WriteResult]:
         name, mf, entries = spec
         if any(t.device.type == "cuda" for _, _, t in entries):
-            register_host(mf)
+            mf.pin_for_cuda()
         out = []
         for item, off, t in entries:
             dst = mf.tensor(off, t.dtype, t.shape)

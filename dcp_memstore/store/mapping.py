@@ -25,6 +25,8 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 _MADV_POPULATE_READ = 22
 _MADV_POPULATE_WRITE = 23
 _libc = ctypes.CDLL(None, use_errno=True)
+_CUDA_HOST_REGISTER_PORTABLE = 1
+_pin_warned = False
 
 
 def _populate(address: int, nbytes: int, write: bool) -> None:
@@ -52,6 +54,33 @@ class MappedFile:
     def path(self) -> str:
         """The file's current path (follows renames)."""
         return os.readlink(f"/proc/self/fd/{self.fd}")
+
+    def pin_for_cuda(self) -> bool:
+        """Page-lock the mapping for CUDA (``cudaHostRegister``, once per mapping), so device-to-host copies
+        are DMA straight into tmpfs pages. Returns whether it is pinned; without CUDA, or where the driver
+        refuses, copies still work through pageable memory (one warning says why)."""
+        global _pin_warned
+        if self.host_registered or not torch.cuda.is_available():
+            return self.host_registered
+        with self.lock:
+            if not self.host_registered:
+                err = torch.cuda.cudart().cudaHostRegister(
+                    self.address, self.size, _CUDA_HOST_REGISTER_PORTABLE
+                )
+                if int(getattr(err, "value", err)) == 0:
+                    self.host_registered = True
+                elif not _pin_warned:
+                    _pin_warned = True
+                    log.warning(
+                        "cudaHostRegister of a tmpfs mapping failed (%s); GPU copies use pageable memory", err
+                    )
+        return self.host_registered
+
+    def unpin(self) -> None:
+        """Undo ``pin_for_cuda`` (before the mapping goes away)."""
+        if self.host_registered:
+            torch.cuda.cudart().cudaHostUnregister(self.address)
+            self.host_registered = False
 
     def exists(self) -> bool:
         """False once the file has been deleted from every directory."""
@@ -166,10 +195,7 @@ class _MappingCache:
     def _forget(self, mf: MappedFile) -> None:
         self._by_key.pop(mf.key, None)
         self._by_address.pop(mf.address, None)
-        if mf.host_registered:
-            from dcp_memstore.store.pinned import unregister_host
-
-            unregister_host(mf)
+        mf.unpin()
         os.close(mf.fd)
 
 
