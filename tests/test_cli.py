@@ -1,0 +1,50 @@
+"""The dcp-memstore command: list, show and delete against a real store."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_memstore import MemoryStorageWriter, MemStore
+from dcp_memstore.cli import main
+
+
+@pytest.fixture
+def root():
+    d = tempfile.mkdtemp(prefix="dcpms-cli-", dir="/dev/shm")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _cli(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_list_show_delete(root, capsys):
+    store = MemStore(root=root, job_id="j")
+    for i in (1, 2):
+        sd = {"w": torch.arange(10.0) * i}
+        dcp.save(sd, checkpoint_id=f"step-{i}", storage_writer=MemoryStorageWriter(store), no_dist=True)
+
+    code, out, _ = _cli(capsys, "list", "--root", root, "--job-id", "j")
+    assert code == 0
+    assert out.index("step-1") < out.index("step-2")
+
+    code, out, _ = _cli(capsys, "show", "step-2", "--root", root, "--job-id", "j", "--items")
+    assert code == 0 and "__0_0.shard" in out and " w " in out
+
+    assert _cli(capsys, "delete", "step-1", "--root", root, "--job-id", "j")[0] == 0
+    assert store.list_checkpoints() == ["step-2"]
+
+
+def test_unknown_checkpoint_is_a_clear_error(root, capsys):
+    MemStore(root=root, job_id="j")
+    code, _, err = _cli(capsys, "show", "nope", "--root", root, "--job-id", "j")
+    assert code == 2
+    assert "checkpoint 'nope' not found" in err
