@@ -24,6 +24,7 @@ from dcp_memstore.dcp import state_tree
 from dcp_memstore.dcp.save_order import SaveOrder, Ticket
 from dcp_memstore.errors import StagingTimeoutError
 from dcp_memstore.store.catalog import recycle
+from dcp_memstore.store.device_copy import DeviceToHost
 from dcp_memstore.store.faults import crash_point
 from dcp_memstore.store.layout import shard_name
 from dcp_memstore.store.mapping import MAPPINGS, MappedFile
@@ -63,7 +64,7 @@ class Stager:
         self.store = store
         self.order = SaveOrder.of(str(store.layout.job_dir))
         self._lock = threading.Lock()
-        self._stream = None
+        self._d2h: DeviceToHost | None = None
 
     def stage(self, state_dict: dict[str, Any]) -> tuple[dict[str, Any], Ticket]:
         """Copy ``state_dict``'s tensors into a new staging slot; return the staged state dict and its ticket."""
@@ -102,20 +103,18 @@ class Stager:
     def _copy(
         self, src: list[torch.Tensor], dst: list[torch.Tensor], placements: list, files: list[MappedFile]
     ) -> None:
-        on_gpu = [i for i, t in enumerate(src) if t.device.type == "cuda"]
-        if on_gpu:
-            for f in {placements[i].bin for i in on_gpu}:
-                files[f].pin_for_cuda()
-            if self._stream is None:
-                self._stream = torch.cuda.Stream()
-            self._stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self._stream):
-                for i in on_gpu:
-                    dst[i].copy_(src[i].detach(), non_blocking=True)
-        cpu = [i for i, t in enumerate(src) if t.device.type == "cpu"]
+        """GPU tensors by DMA (side stream), CPU tensors by memcpy with one thread per file; returns when done."""
+        gpu = [
+            (src[i], dst[i], files[placements[i].bin]) for i, t in enumerate(src) if t.device.type == "cuda"
+        ]
+        if gpu:
+            if self._d2h is None:
+                self._d2h = DeviceToHost()
+            self._d2h.copy(gpu)
         by_bin: dict[int, list[int]] = {}
-        for i in cpu:
-            by_bin.setdefault(placements[i].bin, []).append(i)
+        for i, t in enumerate(src):
+            if t.device.type == "cpu":
+                by_bin.setdefault(placements[i].bin, []).append(i)
 
         def copy_bin(idx: list[int]) -> None:
             for n, i in enumerate(idx):
@@ -129,8 +128,6 @@ class Stager:
         else:
             for idx in by_bin.values():
                 copy_bin(idx)
-        if on_gpu:
-            self._stream.synchronize()
 
     def _wait_for_room(self) -> None:
         """Block until fewer than max_in_flight of this job's slots (this process) are still being written."""

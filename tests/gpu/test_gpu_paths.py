@@ -68,3 +68,13 @@ def test_sync_save_of_cuda_tensors_round_trips(store):
     dcp.load(out, checkpoint_id="c", storage_reader=MemoryStorageReader(store), no_dist=True)
     for k in ("w", "h", "i"):
         assert torch.equal(out[k], sd[k])
+
+
+def test_bounce_buffer_path_when_registration_is_refused(store, monkeypatch):
+    monkeypatch.setenv("DCP_MEMSTORE_NO_HOST_REGISTER", "1")
+    sd = {"big": torch.randn(40 << 20 >> 2, device="cuda"), "odd": torch.randn(333, 7, device="cuda")[:, ::2]}
+    dcp.async_save(sd, checkpoint_id="d", storage_writer=MemoryStorageWriter(store), no_dist=True).result()
+    out = {k: torch.zeros(v.shape, device="cuda") for k, v in sd.items()}
+    dcp.load(out, checkpoint_id="d", storage_reader=MemoryStorageReader(store), no_dist=True)
+    for k in sd:
+        assert torch.equal(out[k], sd[k])
