@@ -137,6 +137,9 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
 
     @_releases_slot_on_error
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if not self._armed:  # DCP skips reset() when checkpoint_id is None: take this save's staged state now
+            self.reset(None)
+        self._armed = False
         if kwargs.get("use_collectives", True) is False:
             raise ValueError(
                 "MemoryStorageWriter needs use_collectives=True (the coordinator commits each checkpoint)"
@@ -248,6 +251,9 @@ class _RankWrite:
         for key in staged:
             names[key] = shard_name(self.rank, next_index)
             next_index += 1
+        # Checked again here because with plan caching DCP hands prepare_local_plan an empty plan.
+        needed = sum(t.numel() * t.element_size() for _, t in to_copy) + sum(len(b) for _, b in objects)
+        check_space(self.store.layout.root, needed, FilePool(self.store.layout, self.rank).reusable_bytes())
         copy_files = self._allocate_copy_files(to_copy, next_index)
 
         jobs = [

@@ -26,7 +26,7 @@ def pack(sizes: list[int], bins: int, align: int = ITEM_ALIGN) -> tuple[list[Pla
     for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
         b = min(range(bins), key=fill.__getitem__)
         placed[i] = Placement(b, fill[b])
-        fill[b] += (sizes[i] + align - 1) // align * align
+        fill[b] += max(1, (sizes[i] + align - 1) // align) * align  # an empty item still gets a file
     used = [b for b in range(bins) if fill[b] > 0]
     renumber = {b: n for n, b in enumerate(used)}
     return [Placement(renumber[p.bin], p.offset) for p in placed], [fill[b] for b in used]

@@ -1,0 +1,116 @@
+"""Corruption of stored bytes: dcp.load names the file and item; verify_checksums=False loads them as they are."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from dcp_state import assert_tree_equal, async_save, load, load_fresh, save, snapshot
+from torch.distributed.checkpoint.api import CheckpointException
+
+from dcp_memstore import MemStore
+from dcp_memstore.store.layout import MANIFEST
+from dcp_memstore.store.manifest import Manifest
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model": {"w": torch.randn(300, 7, generator=g), "b": torch.randn(7, generator=g)},
+        "ids": torch.arange(1000, dtype=torch.int64),
+        "step": 1234,
+        "name": "run-checksums",
+    }
+
+
+def _location(store: MemStore, cid: str, fqn: str):
+    d = store.require_checkpoint(cid)
+    (item,) = [it for it in Manifest.read(d / MANIFEST).items if it.fqn == fqn]
+    return d / item.location.file, item.location
+
+
+def _flip(path, offset: int, mask: int = 0x10) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([b ^ mask]))
+
+
+@pytest.mark.parametrize("mode", ["save", "async_save"])
+def test_flipped_byte_in_a_shard_fails_load_naming_file_and_item(shm_dir, mode):
+    store = MemStore(root=shm_dir, job_id="job", io_threads=2)
+    sd = _state()
+    if mode == "save":
+        save(store, sd, "c")
+    else:
+        async_save(store, sd, "c").result()
+    path, loc = _location(store, "c", "model.w")
+    _flip(path, loc.offset + 4 * 123 + 2)
+    with pytest.raises(CheckpointException) as ei:
+        load_fresh(store, sd, "c")
+    msg = str(ei.value)
+    assert "ChecksumMismatchError" in msg
+    assert f"checksum mismatch in {path} for item model.w" in msg
+    assert f"expected crc32c {loc.checksum:#010x}" in msg
+
+
+def test_with_verification_off_the_corrupt_value_is_loaded(shm_dir):
+    store = MemStore(root=shm_dir, job_id="job", io_threads=2)
+    sd = _state()
+    expected = snapshot(sd)
+    save(store, sd, "c")
+    path, loc = _location(store, "c", "model.w")
+    _flip(path, loc.offset + 4 * 123 + 2)
+    lax = MemStore(root=shm_dir, job_id="job", verify_checksums=False)
+    out = load_fresh(lax, sd, "c")
+    w_exp, w_out = expected["model"]["w"].reshape(-1), out["model"]["w"].reshape(-1)
+    differs = (w_exp.view(torch.int32) != w_out.view(torch.int32)).nonzero().flatten().tolist()
+    assert differs == [123]
+    assert w_out[123:124].view(torch.int32).item() == w_exp[123:124].view(torch.int32).item() ^ (0x10 << 16)
+    expected["model"]["w"] = out["model"]["w"]  # everything else is intact
+    assert_tree_equal(expected, out)
+
+
+def test_corrupt_non_tensor_value_is_detected(store):
+    sd = _state()
+    save(store, sd, "c")
+    path, loc = _location(store, "c", "name")
+    assert path.name == "__0_objects.bin"
+    _flip(path, loc.offset + loc.length - 1)
+    with pytest.raises(CheckpointException) as ei:
+        load_fresh(store, sd, "c")
+    assert f"checksum mismatch in {path} for item name" in str(ei.value)
+
+
+def test_corruption_in_one_checkpoint_leaves_the_others_loadable(store):
+    a, b = _state(), _state()
+    b["model"]["w"].add_(1.0)
+    save(store, a, "a")
+    save(store, b, "b")
+    path, loc = _location(store, "a", "ids")
+    _flip(path, loc.offset)
+    with pytest.raises(CheckpointException, match="for item ids"):
+        load_fresh(store, a, "a")
+    assert_tree_equal(b, load_fresh(store, b, "b"))
+
+
+def test_truncated_shard_file_gives_an_error_not_a_crash(store):
+    sd = _state()
+    save(store, sd, "c")
+    path, loc = _location(store, "c", "model.w")
+    os.truncate(path, loc.offset + loc.length // 2)  # a SIGBUS if anything read past the end
+    with pytest.raises(CheckpointException) as ei:
+        load_fresh(store, sd, "c")
+    assert str(path) in str(ei.value)
+
+
+def test_unreadable_manifest_is_a_clear_error(store):
+    sd = _state()
+    save(store, sd, "c")
+    manifest = store.require_checkpoint("c") / MANIFEST
+    manifest.write_bytes(manifest.read_bytes()[:50])
+    with pytest.raises(CheckpointException) as ei:
+        load(store, snapshot(sd), "c")
+    assert str(manifest) in str(ei.value)

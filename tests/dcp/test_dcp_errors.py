@@ -1,0 +1,241 @@
+"""Bad input through DCP: each gives a clear error before anything is written, and leaves the store usable."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from dcp_state import assert_tree_equal, async_save, load, load_fresh, save, snapshot, store_tree
+from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.api import CheckpointException
+
+from dcp_memstore import InsufficientSpaceError, MemoryStorageReader, MemoryStorageWriter, MemStore
+
+MiB = 1 << 20
+BAD_IDS = ["a/b", "../evil", "..", "", "x" * 200, "/abs/path", "sp ace"]
+
+
+def _state(i: int = 0, n: int = 1000) -> dict:
+    g = torch.Generator().manual_seed(i)
+    return {"w": torch.randn(n, generator=g), "step": i}
+
+
+def _assert_no_checkpoint_or_slot_left(store: MemStore) -> None:
+    """A failed async save leaves no checkpoint directory and no staging slot (its files may be pooled)."""
+    assert list(store.layout.checkpoints_dir.iterdir()) == []
+    assert list(store.layout.staging_dir.iterdir()) == []
+    assert list(store.layout.trash_dir.iterdir()) == []
+
+
+@pytest.fixture
+def quick_store(shm_dir):
+    """A store whose async saves give up after 20 s instead of 10 minutes if an earlier one wedged."""
+    s = MemStore(root=shm_dir, job_id="job", io_threads=2, stage_timeout_s=20)
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize("cid", BAD_IDS)
+def test_save_with_invalid_id_raises_valueerror_naming_it_and_writes_nothing(quick_store, cid):
+    before = store_tree(quick_store)
+    with pytest.raises(ValueError) as ei:
+        save(quick_store, _state(), cid)
+    assert f"invalid checkpoint id {cid!r}" in str(ei.value)
+    assert store_tree(quick_store) == before
+    assert quick_store.list_checkpoints() == []
+
+
+@pytest.mark.parametrize("cid", ["a/b", "../evil", ""])
+def test_async_save_with_invalid_id_fails_cleanly_and_later_saves_proceed(quick_store, cid):
+    fut = async_save(quick_store, _state(), cid)  # DCP stages before it hands the id to the writer
+    with pytest.raises(ValueError, match="invalid checkpoint id"):
+        fut.result()
+    _assert_no_checkpoint_or_slot_left(quick_store)
+    t0 = time.monotonic()
+    async_save(quick_store, _state(1), "good").result()
+    assert time.monotonic() - t0 < 10, "the failed save left a ticket that the next save had to wait out"
+    assert_tree_equal(_state(1), load_fresh(quick_store, _state(1), "good"))
+
+
+@pytest.mark.parametrize("cid", BAD_IDS)
+def test_load_with_invalid_id_raises_valueerror(quick_store, cid):
+    save(quick_store, _state(), "ok")
+    with pytest.raises(ValueError, match="invalid checkpoint id"):
+        load(quick_store, _state(9), cid)
+
+
+def test_load_of_unknown_checkpoint_names_it_and_lists_existing_ones(quick_store):
+    save(quick_store, _state(0), "step-1")
+    save(quick_store, _state(1), "step-2")
+    with pytest.raises(FileNotFoundError) as ei:
+        load(quick_store, _state(9), "step-3")
+    msg = str(ei.value)
+    assert "'step-3' not found" in msg
+    assert "['step-1', 'step-2']" in msg
+
+
+def test_load_from_an_empty_store_says_there_are_none(quick_store):
+    with pytest.raises(FileNotFoundError, match="committed checkpoints: none"):
+        load(quick_store, _state(), "step-1")
+
+
+def test_load_with_checkpoint_id_none_is_a_clear_error(quick_store):
+    save(quick_store, _state(), "a")
+    reader = MemoryStorageReader(quick_store)
+    with pytest.raises(BaseException) as ei:  # noqa: B017 - CheckpointException derives from BaseException
+        dcp.load(_state(5), checkpoint_id=None, storage_reader=reader, no_dist=True)
+    assert "checkpoint_id" in str(ei.value)
+
+
+@pytest.mark.parametrize("mode", ["save", "async_save"])
+def test_saving_an_existing_id_raises_and_keeps_the_original(quick_store, mode):
+    save(quick_store, _state(0), "step-1")
+    before = store_tree(quick_store, pool=mode == "save")
+    with pytest.raises(CheckpointException) as ei:
+        if mode == "save":
+            save(quick_store, _state(1), "step-1")
+        else:
+            async_save(quick_store, _state(1), "step-1").result()
+    msg = str(ei.value)
+    assert "CheckpointExistsError" in msg and "'step-1' already exists" in msg
+    assert "store.delete" in msg
+    assert store_tree(quick_store, pool=mode == "save") == before
+    assert_tree_equal(_state(0), load_fresh(quick_store, _state(0), "step-1"))
+    t0 = time.monotonic()
+    async_save(quick_store, _state(2), "step-2").result()  # the store is still usable
+    assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.parametrize("mode", ["save", "async_save"])
+def test_checkpoint_id_none_is_a_clear_error(quick_store, mode):
+    before = store_tree(quick_store, pool=mode == "save")
+    writer = MemoryStorageWriter(quick_store)
+    with pytest.raises(CheckpointException) as ei:
+        if mode == "save":
+            dcp.save(_state(), checkpoint_id=None, storage_writer=writer, no_dist=True)
+        else:
+            dcp.async_save(_state(), checkpoint_id=None, storage_writer=writer, no_dist=True).result()
+    assert "needs checkpoint_id='NAME'" in str(ei.value)
+    assert store_tree(quick_store, pool=mode == "save") == before
+    t0 = time.monotonic()
+    async_save(quick_store, _state(1), "after").result()
+    assert time.monotonic() - t0 < 10, (
+        "the failed save left a staging slot that the next save had to wait out"
+    )
+    assert quick_store.list_checkpoints() == ["after"]
+
+
+@pytest.mark.parametrize("mode", ["save", "async_save"])
+def test_checkpoint_id_none_on_a_reused_writer_does_not_reuse_the_old_id(quick_store, mode):
+    writer = MemoryStorageWriter(quick_store)
+    dcp.save(_state(0), checkpoint_id="first", storage_writer=writer, no_dist=True)
+    with pytest.raises(CheckpointException) as ei:
+        if mode == "save":
+            dcp.save(_state(1), checkpoint_id=None, storage_writer=writer, no_dist=True)
+        else:
+            dcp.async_save(_state(1), checkpoint_id=None, storage_writer=writer, no_dist=True).result()
+    assert "needs checkpoint_id='NAME'" in str(ei.value)
+    assert_tree_equal(_state(0), load_fresh(quick_store, _state(0), "first"))
+    dcp.async_save(_state(2), checkpoint_id="second", storage_writer=writer, no_dist=True).result()
+    assert quick_store.list_checkpoints() == ["first", "second"]
+
+
+@pytest.fixture
+def tmpfs_store(small_tmpfs):
+    s = MemStore(root=small_tmpfs / "store", job_id="job", io_threads=2, stage_timeout_s=20)
+    yield s
+    s.close()
+
+
+def test_save_bigger_than_the_tmpfs_fails_before_writing_and_previous_checkpoint_survives(tmpfs_store):
+    small = _state(0, n=256 << 10)  # 1 MiB
+    save(tmpfs_store, small, "ok")
+    before = store_tree(tmpfs_store)
+    with pytest.raises(CheckpointException) as ei:
+        save(tmpfs_store, _state(1, n=4 << 20), "too-big")  # 16 MiB on an 8 MiB tmpfs
+    msg = str(ei.value)
+    assert "InsufficientSpaceError" in msg
+    assert f"{16 * MiB} bytes needed" in msg
+    assert "bytes free" in msg
+    assert store_tree(tmpfs_store) == before
+    assert tmpfs_store.list_checkpoints() == ["ok"]
+    assert_tree_equal(small, load_fresh(tmpfs_store, small, "ok"))
+
+
+def test_async_save_bigger_than_the_tmpfs_fails_at_once_and_previous_checkpoint_survives(tmpfs_store):
+    small = _state(0, n=256 << 10)
+    async_save(tmpfs_store, small, "ok").result()
+    before = store_tree(tmpfs_store)
+    with pytest.raises(InsufficientSpaceError) as ei:
+        async_save(tmpfs_store, _state(1, n=4 << 20), "too-big")  # raised by staging, in the caller
+    assert ei.value.needed >= 16 * MiB
+    assert ei.value.free < 8 * MiB
+    assert f"{ei.value.needed} bytes needed, {ei.value.free} bytes free" in str(ei.value)
+    assert store_tree(tmpfs_store) == before
+    assert_tree_equal(small, load_fresh(tmpfs_store, small, "ok"))
+    nxt = _state(2, n=256 << 10)
+    t0 = time.monotonic()
+    async_save(tmpfs_store, nxt, "next").result()
+    assert time.monotonic() - t0 < 10
+    assert_tree_equal(nxt, load_fresh(tmpfs_store, nxt, "next"))
+
+
+def test_retained_checkpoints_that_leave_no_room_give_a_clear_error(tmpfs_store):
+    """Two 3 MiB checkpoints kept on an 8 MiB tmpfs: the third cannot fit, and says how to fix it."""
+    states = [_state(i, n=768 << 10) for i in range(3)]
+    save(tmpfs_store, states[0], "s0")
+    save(tmpfs_store, states[1], "s1")
+    expected = snapshot(states[1])
+    with pytest.raises(CheckpointException) as ei:
+        save(tmpfs_store, states[2], "s2")
+    assert "Lower keep_in_memory" in str(ei.value)
+    assert tmpfs_store.list_checkpoints() == ["s0", "s1"]
+    assert_tree_equal(expected, load_fresh(tmpfs_store, expected, "s1"))
+
+
+def test_space_error_with_plan_caching_is_clear_and_keeps_previous(tmpfs_store, clean_plan_cache):
+    """With a cached plan the writer sees no items at planning time; the space error must still come."""
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    states = [_state(i, n=768 << 10) for i in range(3)]  # 3 MiB each, two kept on 8 MiB
+    save(tmpfs_store, states[0], "s0", planner=planner)
+    save(tmpfs_store, states[1], "s1", planner=planner)
+    expected = snapshot(states[1])
+    with pytest.raises(CheckpointException) as ei:
+        save(tmpfs_store, states[2], "s2", planner=planner)
+    msg = str(ei.value)
+    assert "InsufficientSpaceError" in msg and "bytes needed" in msg and "bytes free" in msg
+    assert tmpfs_store.list_checkpoints() == ["s0", "s1"]
+    assert_tree_equal(expected, load_fresh(tmpfs_store, expected, "s1"))
+    tmpfs_store.delete("s0")  # make room; the failed id can be saved now
+    save(tmpfs_store, states[2], "s2", planner=planner)
+    assert_tree_equal(states[2], load_fresh(tmpfs_store, states[2], "s2"))
+
+
+def test_store_on_disk_warns_but_still_works(tmp_path):
+    fstype = subprocess.run(
+        ["df", "--output=fstype", str(tmp_path)], capture_output=True, text=True, check=True
+    ).stdout.split()[-1]
+    if fstype in ("tmpfs", "ramfs"):
+        pytest.skip(f"{tmp_path} is on {fstype} here; no disk directory to try")
+    with pytest.warns(UserWarning, match="not on a memory file system"):
+        store = MemStore(root=tmp_path / "store", job_id="job")
+    save(store, _state(3), "a")
+    assert_tree_equal(_state(3), load_fresh(store, _state(3), "a"))
+
+
+@pytest.mark.parametrize("bad", ["/dev/shm/store", None, 3, object()])
+def test_writer_and_reader_need_a_memstore(bad):
+    with pytest.raises(TypeError, match="needs a MemStore, got"):
+        MemoryStorageWriter(bad)
+    with pytest.raises(TypeError, match="needs a MemStore, got"):
+        MemoryStorageReader(bad)
+
+
+def test_use_collectives_false_is_refused(quick_store):
+    before = store_tree(quick_store)
+    with pytest.raises(ValueError, match="use_collectives=True"):  # without collectives DCP raises it as is
+        save(quick_store, _state(), "a", use_collectives=False)
+    assert store_tree(quick_store) == before

@@ -1,0 +1,195 @@
+"""Retention and reuse through DCP: keep_in_memory, shard file reuse, list/latest order, delete, max_in_flight."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+from dcp_state import assert_tree_equal, async_save, load, load_fresh, save, snapshot
+from torch.distributed.checkpoint import DefaultSavePlanner
+
+from dcp_memstore import MemStore
+
+
+def _state(i: int) -> dict:
+    g = torch.Generator().manual_seed(i)
+    return {
+        "w": torch.randn(64 << 10, generator=g),
+        "b": torch.randn(1000, generator=g).half(),
+        "step": i,
+        "tag": f"step-{i}",
+    }
+
+
+def _shard_inodes(store: MemStore, cid: str) -> set[int]:
+    d = store.require_checkpoint(cid)
+    inodes = {os.stat(p).st_ino for p in d.iterdir() if p.name.endswith(".shard")}
+    assert inodes
+    return inodes
+
+
+def _do_save(mode: str, store: MemStore, sd: dict, cid: str, **kw) -> None:
+    if mode == "save":
+        save(store, sd, cid, **kw)
+    else:
+        async_save(store, sd, cid, **kw).result()
+
+
+@pytest.mark.parametrize("mode", ["save", "async_save"])
+def test_keep_in_memory_keeps_only_the_newest_checkpoints(shm_dir, mode):
+    store = MemStore(root=shm_dir, job_id="job", keep_in_memory=2, io_threads=2)
+    for i in range(5):
+        _do_save(mode, store, _state(i), f"step-{i}")
+        assert store.list_checkpoints() == [f"step-{j}" for j in range(max(0, i - 1), i + 1)]
+    assert sorted(os.listdir(store.layout.checkpoints_dir)) == ["step-3", "step-4"]
+    assert os.listdir(store.layout.staging_dir) == []
+    assert os.listdir(store.layout.trash_dir) == []
+    for i in (3, 4):
+        assert_tree_equal(_state(i), load_fresh(store, _state(i), f"step-{i}"))
+    with pytest.raises(FileNotFoundError, match="'step-0' not found"):
+        load_fresh(store, _state(0), "step-0")
+
+
+@pytest.mark.parametrize("mode", ["save", "async_save"])
+def test_steady_state_saves_reuse_the_shard_files_of_evicted_checkpoints(shm_dir, mode):
+    store = MemStore(root=shm_dir, job_id="job", keep_in_memory=1, io_threads=2)
+    seen: dict[str, set[int]] = {}
+    evicted: set[int] = set()
+    for i in range(6):
+        cid = f"step-{i}"
+        _do_save(mode, store, _state(i), cid)
+        seen[cid] = _shard_inodes(store, cid)
+        if i >= 2:  # by now an evicted checkpoint's files are in the pool
+            assert seen[cid] <= evicted, f"{cid} used new shard files instead of pooled ones"
+        if i >= 1:
+            evicted |= seen[f"step-{i - 1}"]
+    all_inodes = set().union(*seen.values())
+    assert len(all_inodes) <= 2 * store.io_threads  # (keep_in_memory + 1) checkpoints' worth, ever
+    assert_tree_equal(_state(5), load_fresh(store, _state(5), "step-5"))
+
+
+def test_a_reused_larger_file_holds_a_smaller_checkpoint_correctly(shm_dir):
+    store = MemStore(root=shm_dir, job_id="job", keep_in_memory=1, io_threads=1)
+    save(store, {"w": torch.randn(100_000)}, "a")
+    (a_file,) = store.require_checkpoint("a").glob("*.shard")
+    a_stat = os.stat(a_file)
+    save(store, {"w": torch.randn(100_000)}, "b")  # evicts "a" into the pool
+    small = {"w": torch.randn(90_000)}  # fits a's file within its slack: reused as it is
+    save(store, small, "c")
+    (c_file,) = store.require_checkpoint("c").glob("*.shard")
+    c_stat = os.stat(c_file)
+    assert (c_stat.st_ino, c_stat.st_size) == (a_stat.st_ino, a_stat.st_size)
+    assert c_stat.st_size > 90_000 * 4
+    assert_tree_equal(small, load_fresh(store, small, "c"))
+
+
+def test_list_and_latest_follow_commit_order_not_names(shm_dir):
+    store = MemStore(root=shm_dir, job_id="job", keep_in_memory=10)
+    order = ["step-10", "step-9", "step-100", "alpha", "step-2"]
+    for i, cid in enumerate(order):
+        save(store, _state(i), cid)
+        assert store.latest_checkpoint() == cid
+    assert store.list_checkpoints() == order
+    store.delete("step-2")
+    assert store.latest_checkpoint() == "alpha"
+    store.delete("step-9")
+    assert store.list_checkpoints() == ["step-10", "step-100", "alpha"]
+
+
+def test_delete_removes_a_checkpoint_and_others_still_load(store):
+    save(store, _state(0), "a")
+    save(store, _state(1), "b")
+    store.delete("a")
+    assert store.list_checkpoints() == ["b"]
+    assert not store.layout.checkpoint_dir("a").exists()
+    with pytest.raises(FileNotFoundError) as ei:
+        load_fresh(store, _state(0), "a")
+    assert "'a' not found" in str(ei.value) and "['b']" in str(ei.value)
+    assert_tree_equal(_state(1), load_fresh(store, _state(1), "b"))
+    save(store, _state(2), "a")  # the id is free again
+    assert_tree_equal(_state(2), load_fresh(store, _state(2), "a"))
+
+
+class _SlowPlanner(DefaultSavePlanner):
+    """A background save that takes a while to write (finish_plan runs in the save thread)."""
+
+    def finish_plan(self, new_plan):
+        time.sleep(0.2)
+        return super().finish_plan(new_plan)
+
+
+def test_back_to_back_async_saves_all_commit_and_staging_is_bounded(shm_dir):
+    store = MemStore(root=shm_dir, job_id="job", keep_in_memory=6, max_in_flight=2, io_threads=2)
+    sd = _state(0)
+    expected, futures, staging = {}, [], []
+    for i in range(6):
+        sd["w"].add_(1.0)  # training moves on between saves
+        sd["step"] = i
+        expected[f"s{i}"] = snapshot(sd)
+        futures.append(async_save(store, sd, f"s{i}", planner=_SlowPlanner()))
+        staging.append(len(os.listdir(store.layout.staging_dir)))
+        if i == 2:  # the third save could only stage once the first had written its files
+            assert list(store.layout.checkpoint_dir("s0").glob("*.shard"))
+    assert max(staging) == store.max_in_flight  # reached, never exceeded
+    for f in futures:
+        f.result()
+    assert store.list_checkpoints() == [f"s{i}" for i in range(6)]
+    for cid, exp in expected.items():
+        assert_tree_equal(exp, load_fresh(store, exp, cid))
+    assert os.listdir(store.layout.staging_dir) == []
+
+
+def test_store_holds_at_most_keep_plus_in_flight_while_saving(shm_dir):
+    store = MemStore(root=shm_dir, job_id="job", keep_in_memory=2, max_in_flight=2, io_threads=2)
+    lay = store.layout
+    peak = {"staging": 0, "committed": 0, "checkpoint_dirs": 0}
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            try:
+                counts = {
+                    "staging": len(os.listdir(lay.staging_dir)),
+                    "committed": len(store.list_checkpoints()),
+                    "checkpoint_dirs": len(os.listdir(lay.checkpoints_dir)),
+                }
+            except FileNotFoundError:
+                continue
+            for k, v in counts.items():
+                peak[k] = max(peak[k], v)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        sd = _state(0)
+        futures = []
+        for i in range(8):
+            sd["w"].add_(1.0)
+            futures.append(async_save(store, sd, f"s{i}", planner=_SlowPlanner() if i % 2 else None))
+            assert len(os.listdir(lay.staging_dir)) <= store.max_in_flight
+        last = snapshot(sd)
+        for f in futures:
+            f.result()
+    finally:
+        stop.set()
+        watcher.join()
+    assert peak["staging"] <= store.max_in_flight
+    # A new checkpoint commits before the oldest is evicted, so keep_in_memory + 1 may exist for an instant,
+    # plus at most the one checkpoint being written (saves of one job are written one at a time).
+    assert peak["committed"] <= store.keep_in_memory + 1
+    assert peak["checkpoint_dirs"] <= store.keep_in_memory + 1
+    assert store.list_checkpoints() == ["s6", "s7"]
+    assert sorted(os.listdir(lay.checkpoints_dir)) == ["s6", "s7"]
+    assert os.listdir(lay.staging_dir) == []
+    assert len(os.listdir(lay.pool_dir(0))) <= store.max_in_flight * store.io_threads
+    assert_tree_equal(last, load_fresh(store, last, "s7"))
+
+
+def test_load_by_latest_checkpoint(store):
+    for i in range(3):
+        save(store, _state(i), f"step-{i}")
+    out = load(store, _state(99), store.latest_checkpoint())
+    assert_tree_equal(_state(2), out)

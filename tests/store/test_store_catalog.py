@@ -1,0 +1,206 @@
+"""The commit protocol on disk: begin/commit visibility, seq order, eviction, clearing dead saves' leftovers."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from dcp_memstore.store import catalog
+from dcp_memstore.store.layout import COMMITTED, INPROGRESS, StoreLayout, shard_name
+from dcp_memstore.store.records import read_record, write_record
+
+
+@pytest.fixture
+def layout(shm_dir):
+    lay = StoreLayout(shm_dir, "job")
+    lay.ensure()
+    return lay
+
+
+def _committed_ids(layout):
+    return [r.checkpoint_id for r in catalog.committed(layout)]
+
+
+def _save(layout, cid, payload=b"x" * 8192):
+    """A complete checkpoint as a save leaves it: begin, one shard file, commit."""
+    d = catalog.begin(layout, cid)
+    (d / shard_name(0, 0)).write_bytes(payload)
+    catalog.commit(layout, cid, len(payload))
+    return d
+
+
+def _owner_of(proc: subprocess.Popen) -> dict:
+    return {
+        "pid": proc.pid,
+        "create_time": psutil.Process(proc.pid).create_time(),
+        "host": socket.gethostname(),
+        "started": time.time(),
+    }
+
+
+@pytest.fixture
+def dead_owner():
+    """An owner record of a process that really ran and is now dead (reaped)."""
+    p = subprocess.Popen(["sleep", "60"])
+    owner = _owner_of(p)
+    p.kill()
+    p.wait()
+    assert not psutil.pid_exists(p.pid) or psutil.Process(p.pid).create_time() != owner["create_time"]
+    return owner
+
+
+@pytest.fixture
+def live_owner():
+    p = subprocess.Popen(["sleep", "60"])
+    try:
+        yield _owner_of(p)
+    finally:
+        p.kill()
+        p.wait()
+
+
+def _uncommitted(layout, name, owner):
+    d = layout.checkpoints_dir / name
+    d.mkdir()
+    write_record(d / INPROGRESS, owner)
+    (d / shard_name(0, 0)).write_bytes(b"y" * 4096)
+    return d
+
+
+def test_begun_checkpoint_is_invisible_until_committed(layout):
+    d = catalog.begin(layout, "step-1")
+    assert d == layout.checkpoint_dir("step-1")
+    assert (d / INPROGRESS).exists()
+    assert catalog.committed(layout) == []
+    assert catalog.read_commit(layout, "step-1") is None
+    rec = catalog.commit(layout, "step-1", 123)
+    assert (rec.checkpoint_id, rec.seq, rec.nbytes) == ("step-1", 1, 123)
+    assert not (d / INPROGRESS).exists()
+    assert catalog.read_commit(layout, "step-1") == rec
+    assert catalog.committed(layout) == [rec]
+
+
+def test_begin_of_an_existing_checkpoint_fails_and_leaves_nothing(layout):
+    _save(layout, "step-1")
+    before = sorted(os.listdir(layout.checkpoints_dir))
+    with pytest.raises(OSError):
+        catalog.begin(layout, "step-1")
+    assert sorted(os.listdir(layout.checkpoints_dir)) == before
+    assert catalog.read_commit(layout, "step-1").seq == 1
+
+
+def test_committed_is_ordered_by_commit_seq_not_name_or_begin_order(layout):
+    for cid in ("zeta", "alpha", "mid"):
+        catalog.begin(layout, cid)
+    for cid in ("mid", "zeta", "alpha"):
+        catalog.commit(layout, cid, 1)
+    recs = catalog.committed(layout)
+    assert [r.checkpoint_id for r in recs] == ["mid", "zeta", "alpha"]
+    assert [r.seq for r in recs] == [1, 2, 3]
+
+
+def test_seq_keeps_growing_after_eviction(layout):
+    for i in range(3):
+        _save(layout, f"s{i}")
+    catalog.evict(layout, keep=1)
+    rec = catalog.commit(layout, catalog.begin(layout, "s3").name, 1)
+    assert rec.seq == 4
+    assert _committed_ids(layout) == ["s2", "s3"]
+
+
+def test_evict_keeps_newest_n_and_pools_their_shard_files(layout):
+    inodes = {}
+    for i in range(5):
+        d = _save(layout, f"s{i}")
+        (d / "__0_objects.bin").write_bytes(b"objects")
+        inodes[f"s{i}"] = os.stat(d / shard_name(0, 0)).st_ino
+    victims = catalog.evict(layout, keep=2)
+    assert victims == ["s0", "s1", "s2"]
+    assert _committed_ids(layout) == ["s3", "s4"]
+    assert sorted(os.listdir(layout.checkpoints_dir)) == ["s3", "s4"]
+    assert os.listdir(layout.trash_dir) == []
+    pooled = {os.stat(p).st_ino for p in layout.pool_dir(0).iterdir()}
+    assert pooled == {inodes[v] for v in victims}  # shard files kept for reuse, objects file deleted
+    assert catalog.evict(layout, keep=2) == []
+
+
+def test_evict_never_takes_a_protected_checkpoint(layout):
+    for i in range(4):
+        _save(layout, f"s{i}")
+    victims = catalog.evict(layout, keep=1, protected=frozenset({"s0"}))
+    assert victims == ["s1", "s2"]
+    assert _committed_ids(layout) == ["s0", "s3"]
+
+
+def test_clear_abandoned_removes_dead_owners_leftovers_and_keeps_live_ones(layout, dead_owner, live_owner):
+    _save(layout, "done")
+    dead = _uncommitted(layout, "dead-save", dead_owner)
+    dead_ino = os.stat(dead / shard_name(0, 0)).st_ino
+    live = _uncommitted(layout, "live-save", live_owner)
+    dead_new = layout.checkpoints_dir / ".new-0123"
+    dead_new.mkdir()
+    write_record(dead_new / INPROGRESS, dead_owner)
+    live_new = layout.checkpoints_dir / ".new-4567"
+    live_new.mkdir()
+    write_record(live_new / INPROGRESS, live_owner)
+    no_marker = layout.checkpoints_dir / "stray"
+    no_marker.mkdir()
+    (layout.trash_dir / "old.abc").mkdir()
+
+    cleared = catalog.clear_abandoned(layout)
+
+    assert sorted(cleared) == ["dead-save", "stray"]
+    assert sorted(os.listdir(layout.checkpoints_dir)) == [".new-4567", "done", "live-save"]
+    assert (live / INPROGRESS).exists() and (live / shard_name(0, 0)).exists()
+    assert os.listdir(layout.trash_dir) == []
+    assert [os.stat(p).st_ino for p in layout.pool_dir(0).iterdir()] == [dead_ino]
+    assert _committed_ids(layout) == ["done"]
+
+
+def test_clear_abandoned_with_before_clears_own_stale_saves_only(layout, live_owner):
+    mine = catalog.begin(layout, "mine-old")
+    started = read_record(mine / INPROGRESS)["started"]
+    other = _uncommitted(layout, "other-live", live_owner)
+    assert catalog.clear_abandoned(layout) == []  # this process is alive: nothing to clear
+    assert catalog.clear_abandoned(layout, before=started) == []  # not started before that instant
+    assert catalog.clear_abandoned(layout, before=started + 1.0) == ["mine-old"]
+    assert not mine.exists()
+    assert other.exists()
+
+
+def test_clear_abandoned_recognises_a_save_whose_process_died(layout):
+    """A forked process begins a checkpoint and dies without committing: the next clear removes it."""
+    pid = os.fork()
+    if pid == 0:  # child: a save that dies mid-way
+        code = 1
+        try:
+            d = catalog.begin(layout, "crashed")
+            (d / shard_name(0, 0)).write_bytes(b"z" * 4096)
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert read_record(layout.checkpoint_dir("crashed") / INPROGRESS)["pid"] == pid
+    assert catalog.clear_abandoned(layout) == ["crashed"]
+    assert not layout.checkpoint_dir("crashed").exists()
+    assert len(list(layout.pool_dir(0).iterdir())) == 1
+
+
+def test_discard_makes_the_checkpoint_invisible_and_is_idempotent(layout):
+    d = _save(layout, "s0")
+    catalog.discard(layout, d)
+    assert not d.exists()
+    assert _committed_ids(layout) == []
+    catalog.discard(layout, d)  # already gone: nothing to do, no error
+
+
+def test_commit_marker_is_a_record_with_seq_and_size(layout):
+    d = _save(layout, "s0", payload=b"p" * 100)
+    r = read_record(d / COMMITTED)
+    assert r["seq"] == 1 and r["nbytes"] == 100 and r["committed_at"] <= time.time()

@@ -1,0 +1,155 @@
+"""MemStore: argument checks, defaults from the environment, tmpfs warning, queries, delete, close."""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import subprocess
+import warnings
+
+import psutil
+import pytest
+
+from dcp_memstore import MemStore
+from dcp_memstore.store import catalog
+from dcp_memstore.store.layout import INPROGRESS, shard_name
+from dcp_memstore.store.records import write_record
+
+
+def _commit(store, cid):
+    d = catalog.begin(store.layout, cid)
+    (d / shard_name(0, 0)).write_bytes(b"x" * 4096)
+    catalog.commit(store.layout, cid, 4096)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "text"),
+    [
+        ({"keep_in_memory": 0}, "keep_in_memory must be an int >= 1, got 0"),
+        ({"keep_in_memory": -3}, "keep_in_memory must be an int >= 1, got -3"),
+        ({"keep_in_memory": 2.0}, "keep_in_memory must be an int >= 1, got 2.0"),
+        ({"keep_in_memory": True}, "keep_in_memory must be an int >= 1, got True"),
+        ({"max_in_flight": "x"}, "max_in_flight must be an int >= 1, got 'x'"),
+        ({"max_in_flight": 0}, "max_in_flight must be an int >= 1, got 0"),
+        ({"io_threads": 0}, "io_threads must be an int >= 1, got 0"),
+        ({"stage_timeout_s": 0}, "stage_timeout_s must be > 0, got 0"),
+        ({"stage_timeout_s": -1.0}, "stage_timeout_s must be > 0"),
+        ({"job_id": "a/b"}, "invalid job id 'a/b'"),
+        ({"job_id": ".."}, "invalid job id '..'"),
+        ({"job_id": ""}, "invalid job id ''"),
+    ],
+)
+def test_bad_arguments_raise_valueerror_and_create_nothing(shm_dir, kwargs, text):
+    root = shm_dir / "root"
+    with pytest.raises(ValueError) as ei:
+        MemStore(root=root, **kwargs)
+    assert text in str(ei.value)
+    assert not root.exists()
+
+
+def test_root_that_is_a_file_is_refused(shm_dir):
+    f = shm_dir / "file"
+    f.write_text("not a dir")
+    with pytest.raises(NotADirectoryError, match="is not a directory"):
+        MemStore(root=f, job_id="j")
+
+
+def test_root_on_tmpfs_gives_no_warning_and_creates_the_layout(shm_dir):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = MemStore(root=shm_dir / "new" / "root", job_id="run-1")
+    assert s.root == shm_dir / "new" / "root"
+    for sub in ("checkpoints", "staging", "trash", "pool"):
+        assert (shm_dir / "new" / "root" / "run-1" / sub).is_dir()
+    assert s.list_checkpoints() == []
+    assert s.latest_checkpoint() is None
+
+
+def test_root_on_disk_warns(tmp_path):
+    fstype = subprocess.run(
+        ["df", "--output=fstype", str(tmp_path)], capture_output=True, text=True, check=True
+    ).stdout.split()[-1]
+    if fstype in ("tmpfs", "ramfs"):
+        pytest.skip(f"{tmp_path} is on {fstype} here; no disk directory to try")
+    with pytest.warns(UserWarning, match="not on a memory file system") as rec:
+        MemStore(root=tmp_path / "store", job_id="j")
+    assert str(tmp_path / "store") in str(rec[0].message)
+
+
+def test_defaults_come_from_the_environment(shm_dir, monkeypatch):
+    monkeypatch.setenv("DCP_MEMSTORE_ROOT", str(shm_dir / "envroot"))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "elastic-7")
+    monkeypatch.delenv("DCP_MEMSTORE_JOB_ID", raising=False)
+    s = MemStore()
+    assert (s.root, s.job_id) == (shm_dir / "envroot", "elastic-7")
+    monkeypatch.setenv("DCP_MEMSTORE_JOB_ID", "explicit-job")
+    assert MemStore().job_id == "explicit-job"
+    monkeypatch.delenv("DCP_MEMSTORE_JOB_ID")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert MemStore().job_id == "default"
+    assert MemStore(job_id="given").job_id == "given"
+
+
+def test_defaults(shm_dir):
+    s = MemStore(root=shm_dir, job_id="j")
+    assert (s.keep_in_memory, s.max_in_flight, s.verify_checksums) == (2, 1, True)
+    assert 1 <= s.io_threads <= 4
+
+
+def test_list_latest_and_require(store):
+    for cid in ("b", "c", "a"):
+        _commit(store, cid)
+    catalog.begin(store.layout, "in-progress")
+    assert store.list_checkpoints() == ["b", "c", "a"]
+    assert store.latest_checkpoint() == "a"
+    assert store.require_checkpoint("c") == store.layout.checkpoint_dir("c")
+    with pytest.raises(FileNotFoundError) as ei:
+        store.require_checkpoint("in-progress")
+    assert "'in-progress' not found" in str(ei.value)
+    assert "['b', 'c', 'a']" in str(ei.value)
+    with pytest.raises(ValueError, match="invalid checkpoint id"):
+        store.require_checkpoint("../b")
+
+
+def test_delete_removes_only_that_checkpoint(store):
+    for cid in ("a", "b", "c"):
+        _commit(store, cid)
+    store.delete("c")
+    assert store.list_checkpoints() == ["a", "b"]
+    assert store.latest_checkpoint() == "b"
+    assert not store.layout.checkpoint_dir("c").exists()
+    with pytest.raises(FileNotFoundError, match="'c' not found"):
+        store.delete("c")
+
+
+def test_a_new_store_clears_leftovers_of_dead_saves(shm_dir):
+    s = MemStore(root=shm_dir, job_id="j")
+    _commit(s, "good")
+    p = subprocess.Popen(["sleep", "60"])
+    owner = {"pid": p.pid, "create_time": psutil.Process(p.pid).create_time(), "host": socket.gethostname()}
+    p.kill()
+    p.wait()
+    d = s.layout.checkpoints_dir / "half-written"
+    d.mkdir()
+    write_record(d / INPROGRESS, owner)
+    MemStore(root=shm_dir, job_id="j")
+    assert not d.exists()
+    assert s.list_checkpoints() == ["good"]
+
+
+def test_closed_store_refuses_queries_and_close_is_idempotent(store):
+    with store as s:
+        assert s.list_checkpoints() == []
+    with pytest.raises(RuntimeError, match="is closed"):
+        store.list_checkpoints()
+    with pytest.raises(RuntimeError, match="is closed"):
+        store.latest_checkpoint()
+    store.close()
+
+
+def test_store_is_picklable(store):
+    _commit(store, "a")
+    clone = pickle.loads(pickle.dumps(store))
+    assert clone.layout == store.layout
+    assert clone.list_checkpoints() == ["a"]
+    assert "keep_in_memory=2" in repr(store)

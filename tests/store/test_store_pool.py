@@ -1,0 +1,110 @@
+"""FilePool: evicted shard files are reused (same inode, already allocated and mapped) and trimmed."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from dcp_memstore.store.layout import SHARD_SUFFIX, StoreLayout
+from dcp_memstore.store.mapping import MAPPINGS
+from dcp_memstore.store.pool import FILE_ALIGN, FilePool, round_up
+
+
+@pytest.fixture
+def layout(shm_dir):
+    lay = StoreLayout(shm_dir, "job")
+    lay.ensure()
+    return lay
+
+
+def _pooled(pool):
+    return sorted(p for p in pool.dir.iterdir() if p.name.endswith(SHARD_SUFFIX))
+
+
+def test_round_up_to_pages():
+    assert round_up(0) == FILE_ALIGN
+    assert round_up(1) == FILE_ALIGN
+    assert round_up(FILE_ALIGN) == FILE_ALIGN
+    assert round_up(FILE_ALIGN + 1) == 2 * FILE_ALIGN
+
+
+def test_acquire_from_empty_pool_makes_an_allocated_mapped_file(layout, shm_dir):
+    pool = FilePool(layout, 0)
+    dest = shm_dir / "a.shard"
+    mf = pool.acquire(dest, 10_000)
+    st = os.stat(dest)
+    assert mf.size == st.st_size == round_up(10_000)
+    assert st.st_blocks * 512 >= st.st_size  # allocated up front, not sparse
+    assert mf.key == (st.st_dev, st.st_ino)
+    t = mf.tensor(0, torch.int64, (10,))
+    t.copy_(torch.arange(10))
+    with open(dest, "rb") as f:
+        assert torch.equal(torch.frombuffer(bytearray(f.read(80)), dtype=torch.int64), torch.arange(10))
+
+
+def test_release_then_acquire_reuses_the_same_inode_and_mapping(layout, shm_dir):
+    pool = FilePool(layout, 0)
+    first = pool.acquire(shm_dir / "a.shard", 64 << 10)
+    ino = os.stat(shm_dir / "a.shard").st_ino
+    pool.release(shm_dir / "a.shard")
+    assert not (shm_dir / "a.shard").exists()
+    assert [p.stat().st_ino for p in _pooled(pool)] == [ino]
+    assert pool.reusable_bytes() == 64 << 10
+
+    again = pool.acquire(shm_dir / "b.shard", 60 << 10)  # a bit smaller still fits
+    assert os.stat(shm_dir / "b.shard").st_ino == ino
+    assert again is first  # the cached mapping, not a new one
+    assert _pooled(pool) == []
+    assert pool.reusable_bytes() == 0
+
+
+def test_acquire_prefers_a_pooled_file_of_the_right_size(layout, shm_dir):
+    pool = FilePool(layout, 0)
+    inos = {}
+    for name, size in (("small", 8 << 10), ("right", 64 << 10), ("huge", 1 << 20)):
+        pool.acquire(shm_dir / name, size)
+        inos[name] = os.stat(shm_dir / name).st_ino
+        pool.release(shm_dir / name)
+    pool.acquire(shm_dir / "new", 64 << 10)
+    assert os.stat(shm_dir / "new").st_ino == inos["right"]
+
+
+def test_a_too_small_pooled_file_is_reused_and_grown(layout, shm_dir):
+    pool = FilePool(layout, 0)
+    pool.acquire(shm_dir / "a", 8 << 10)
+    ino = os.stat(shm_dir / "a").st_ino
+    pool.release(shm_dir / "a")
+    mf = pool.acquire(shm_dir / "b", 1 << 20)
+    st = os.stat(shm_dir / "b")
+    assert st.st_ino == ino
+    assert st.st_size == mf.size == 1 << 20
+    mf.tensor(0, torch.uint8, (1 << 20,)).fill_(7)  # the whole new size is usable
+
+
+def test_trim_keeps_only_the_newest_files(layout, shm_dir):
+    pool = FilePool(layout, 0)
+    paths = [shm_dir / f"f{i}" for i in range(4)]
+    for p in paths:
+        pool.acquire(p, 4096)
+    inos = [os.stat(p).st_ino for p in paths]
+    assert len(set(inos)) == 4
+    for i, p in enumerate(paths):
+        os.utime(p, (time.time() - 100 + i, time.time() - 100 + i))  # f3 is the newest
+        pool.release(p)
+    pool.trim(keep=2)
+    assert sorted(p.stat().st_ino for p in _pooled(pool)) == sorted(inos[2:])
+    pool.trim(keep=0)
+    assert _pooled(pool) == []
+    for ino in inos:  # their mappings are dropped too, so the memory can be freed
+        assert not MAPPINGS.is_mapped((os.stat(shm_dir).st_dev, ino))
+
+
+def test_pools_are_per_rank(layout, shm_dir):
+    FilePool(layout, 0).acquire(shm_dir / "a", 4096)
+    FilePool(layout, 0).release(shm_dir / "a")
+    assert FilePool(layout, 1).reusable_bytes() == 0
+    FilePool(layout, 1).acquire(shm_dir / "b", 4096)
+    assert os.stat(shm_dir / "b").st_ino != _pooled(FilePool(layout, 0))[0].stat().st_ino

@@ -1,0 +1,165 @@
+"""msgpack records (atomic write, size cap, malformed input), Manifest and ShardLocation round trips."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+import msgpack
+import pytest
+
+from dcp_memstore.store.manifest import FORMAT_VERSION, Manifest, ManifestItem, ShardLocation
+from dcp_memstore.store.records import read_record, write_atomic, write_record
+
+
+def test_record_round_trip(shm_dir):
+    rec = {
+        "seq": 3,
+        "name": "step-3",
+        "blob": b"\x00\xff",
+        "nested": [1, 2.5, None, {"k": True}],
+        7: "int key",
+    }
+    write_record(shm_dir / "r", rec)
+    assert read_record(shm_dir / "r") == rec
+
+
+def test_write_replaces_whole_file_and_leaves_no_temporary(shm_dir):
+    path = shm_dir / "r"
+    write_record(path, {"v": "x" * 10_000})
+    write_record(path, {"v": 1})
+    assert read_record(path) == {"v": 1}
+    assert os.listdir(shm_dir) == ["r"]
+
+
+def test_readers_never_see_a_partial_record(shm_dir):
+    """A reader racing many rewriters sees either the old or the new record, never torn bytes."""
+    path = shm_dir / "r"
+    write_record(path, {"n": -1, "pad": b"a" * 200_000})
+    stop = threading.Event()
+    seen, errors = set(), []
+
+    def reader() -> None:
+        while not stop.is_set():
+            try:
+                r = read_record(path)
+            except Exception as e:
+                errors.append(e)
+                return
+            assert len(r["pad"]) == 200_000
+            seen.add(r["n"])
+
+    t = threading.Thread(target=reader)
+    t.start()
+    for n in range(200):
+        write_record(path, {"n": n, "pad": bytes([n % 256]) * 200_000})
+    stop.set()
+    t.join()
+    assert errors == []
+    assert len(seen) > 1
+    assert read_record(path)["n"] == 199
+    assert os.listdir(shm_dir) == ["r"]
+
+
+def test_write_that_runs_out_of_space_leaves_old_file_and_no_temporary(small_tmpfs):
+    path = small_tmpfs / "r"
+    write_record(path, {"v": "old"})
+    with pytest.raises(OSError) as ei:
+        write_atomic(path, b"x" * (16 << 20))  # twice the 8 MiB tmpfs
+    assert ei.value.errno == errno.ENOSPC
+    assert read_record(path) == {"v": "old"}
+    assert os.listdir(small_tmpfs) == ["r"]
+
+
+def test_oversized_record_is_refused_before_parsing(shm_dir):
+    path = shm_dir / "big"
+    write_record(path, {"pad": b"x" * 5000})
+    with pytest.raises(ValueError, match=r"more than the 1000 allowed"):
+        read_record(path, max_bytes=1000)
+    assert read_record(path, max_bytes=10_000)["pad"] == b"x" * 5000
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"\xc1", b"\x92\x01", b"\x81\xa1k", b"", b"\x91\x01trailing"],
+    ids=["reserved-byte", "truncated-array", "truncated-map", "empty", "trailing-bytes"],
+)
+def test_malformed_msgpack_is_a_valueerror_naming_the_file(shm_dir, data):
+    path = shm_dir / "bad"
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match="not a valid dcp_memstore record") as ei:
+        read_record(path)
+    assert str(path) in str(ei.value)
+
+
+def test_missing_record_is_filenotfound(shm_dir):
+    with pytest.raises(FileNotFoundError):
+        read_record(shm_dir / "absent")
+
+
+def test_read_record_does_not_unpickle_ext_types(shm_dir):
+    """Ext types (how a pickle could be smuggled in) come back as inert ExtType values."""
+    path = shm_dir / "ext"
+    path.write_bytes(msgpack.packb({"x": msgpack.ExtType(5, b"cos\nsystem\n")}))
+    r = read_record(path)
+    assert isinstance(r["x"], msgpack.ExtType)
+
+
+def test_shard_location_round_trip():
+    for loc in (
+        ShardLocation("__0_1.shard", 4096, 1234, 0xDEADBEEF, "bfloat16", (3, 0, 7)),
+        ShardLocation("__1_objects.bin", 0, 17, 0),
+        ShardLocation("__0_0.shard", 64, 4, 1, "float32", ()),
+    ):
+        r = msgpack.unpackb(msgpack.packb(loc.to_record()), raw=False)
+        assert ShardLocation.from_record(r) == loc
+
+
+def _manifest() -> Manifest:
+    return Manifest(
+        checkpoint_id="step-9",
+        world_size=2,
+        items=[
+            ManifestItem("model.w", (0, 0), ShardLocation("__0_0.shard", 0, 400, 11, "float32", (10, 10))),
+            ManifestItem("model.w", (10, 0), ShardLocation("__1_0.shard", 0, 400, 12, "float32", (10, 10))),
+            ManifestItem("step", None, ShardLocation("__0_objects.bin", 0, 9, 13)),
+        ],
+        dcp={"planner_data": {"step": {"__tuple__": ["step"]}}, "version": "1.0.0"},
+    )
+
+
+def test_manifest_round_trip_through_disk(shm_dir):
+    m = _manifest()
+    m.write(shm_dir / "manifest.msgpack")
+    back = Manifest.read(shm_dir / "manifest.msgpack")
+    assert back == m
+    assert back.files == {"__0_0.shard": 400, "__1_0.shard": 400, "__0_objects.bin": 9}
+    assert back.nbytes == 809
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda r: r.update(format=FORMAT_VERSION + 1),
+        lambda r: r.update(checksum="md5"),
+        lambda r: r.pop("items"),
+        lambda r: r.update(items=[["w", None, ["f", 0, 1]]]),
+    ],
+    ids=["future-format", "other-checksum", "missing-items", "short-location"],
+)
+def test_unusable_manifest_is_a_valueerror_naming_the_file(shm_dir, mutate):
+    r = _manifest().to_record()
+    mutate(r)
+    path = shm_dir / "manifest.msgpack"
+    write_record(path, r)
+    with pytest.raises(ValueError) as ei:
+        Manifest.read(path)
+    assert str(path) in str(ei.value)
+
+
+def test_manifest_that_is_not_a_map_is_a_valueerror(shm_dir):
+    path = shm_dir / "manifest.msgpack"
+    write_record(path, [1, 2, 3])
+    with pytest.raises(ValueError, match="unsupported manifest"):
+        Manifest.read(path)
