@@ -29,8 +29,8 @@ class ChecksumMismatchError(RuntimeError):
     def __init__(self, path: str, item: str, expected: int, actual: int) -> None:
         self.path, self.item, self.expected, self.actual = path, item, expected, actual
         super().__init__(
-            f"checksum mismatch in {path} for item {item}: expected crc32c {expected:#010x}, "
-            f"got {actual:#010x}. The stored copy is corrupt; load another checkpoint "
+            f"checksum mismatch in {path} for item {item}: expected xxh3_64 {expected:#018x}, "
+            f"got {actual:#018x}. The stored copy is corrupt; load another checkpoint "
             f"(store.list_checkpoints()) or turn verification off with MemStore(verify_checksums=False) "
             f"only if you accept corrupt data."
         )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import os
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from dcp_memstore.store.layout import MANIFEST
 from dcp_memstore.store.manifest import Manifest, ShardLocation
 from dcp_memstore.store.mapping import MAPPINGS, MappedFile
 from dcp_memstore.store.memstore import MemStore
+from dcp_memstore.store.threads import run_parallel
 
 
 class MemoryStorageReader(StorageReader):
@@ -104,8 +104,7 @@ class MemoryStorageReader(StorageReader):
             if dst.is_cuda:
                 mf.pin_for_cuda()  # host-to-device from page-locked tmpfs pages
             copies.append((req, src, dst))
-        with ThreadPoolExecutor(max(1, self.store.io_threads)) as ex:
-            list(ex.map(lambda c: c[2].copy_(c[1]), copies))
+        run_parallel(lambda c: c[2].copy_(c[1]), copies, self.store.io_threads)
         for req, _, dst in copies:
             planner.commit_tensor(req, dst)
         fut: Future[None] = Future()
@@ -128,8 +127,7 @@ class MemoryStorageReader(StorageReader):
                     str(self._dir / loc.file), _item_name(index), loc.checksum, actual
                 )
 
-        with ThreadPoolExecutor(max(1, self.store.io_threads)) as ex:
-            list(ex.map(check, unique.values()))
+        run_parallel(check, unique.values(), self.store.io_threads)
 
 
 def _item_name(index: MetadataIndex) -> str:

@@ -14,7 +14,6 @@ import os
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +25,13 @@ from dcp_memstore.errors import StagingTimeoutError
 from dcp_memstore.store.catalog import recycle
 from dcp_memstore.store.device_copy import DeviceToHost
 from dcp_memstore.store.faults import crash_point
-from dcp_memstore.store.layout import shard_name
+from dcp_memstore.store.layout import shard_name, slot_name
 from dcp_memstore.store.mapping import MAPPINGS, MappedFile
 from dcp_memstore.store.memstore import MemStore
 from dcp_memstore.store.packing import pack
 from dcp_memstore.store.pool import FilePool
 from dcp_memstore.store.space import check_space
+from dcp_memstore.store.threads import run_parallel
 
 
 def current_rank() -> int:
@@ -77,10 +77,14 @@ class Stager:
             placements, file_sizes = pack(sizes, self.store.io_threads)
             pool = FilePool(self.store.layout, rank)
             check_space(self.store.layout.root, sum(file_sizes), reusable=pool.reusable_bytes())
-            slot = self.store.layout.staging_dir / f"r{rank}-p{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            slot = self.store.layout.staging_dir / slot_name(rank, os.getpid(), uuid.uuid4().hex[:8])
             slot.mkdir(parents=True)
             try:
-                files = [pool.acquire(slot / shard_name(rank, i), n) for i, n in enumerate(file_sizes)]
+                files = run_parallel(  # a new file's page faults are taken in parallel
+                    lambda b: pool.acquire(slot / shard_name(rank, b), file_sizes[b]),
+                    range(len(file_sizes)),
+                    self.store.io_threads,
+                )
                 views = [
                     files[p.bin].tensor(p.offset, t.dtype, t.shape)
                     for t, p in zip(originals, placements, strict=False)
@@ -122,12 +126,7 @@ class Stager:
                 if n == 0:
                     crash_point("stage-copy", current_rank())
 
-        if len(by_bin) > 1:
-            with ThreadPoolExecutor(len(by_bin)) as ex:
-                list(ex.map(copy_bin, by_bin.values()))
-        else:
-            for idx in by_bin.values():
-                copy_bin(idx)
+        run_parallel(copy_bin, by_bin.values(), self.store.io_threads)
 
     def _wait_for_room(self) -> None:
         """Block until fewer than max_in_flight of this job's slots (this process) are still being written."""

@@ -46,14 +46,15 @@ def rebuild(value: Any, replace: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """``value`` with each tensor from ``tensors(value)`` passed through ``replace``, in the same order."""
     if isinstance(value, DTensor):
         local = replace(value._local_tensor)
-        return DTensor.from_local(
-            local,
-            value.device_mesh,
-            value.placements,
-            run_check=False,
-            shape=value.size(),
-            stride=value.stride(),
-        )
+        if local.storage_offset() == 0:
+            return _dtensor_like(value, local)
+        # A DTensor takes its local tensor's storage offset, and torch cannot pickle one whose offset is not
+        # 0 (pickle raises; DCP's PROCESS executor segfaults sending it to its checkpoint process). Staged
+        # locals are views at offsets inside shard files: build the DTensor on an empty placeholder, then
+        # give it the real local tensor.
+        dt = _dtensor_like(value, local.new_empty(0).requires_grad_(local.requires_grad))
+        dt._local_tensor = local
+        return dt
     if isinstance(value, ShardedTensor):
         shards = [Shard(replace(s.tensor), s.metadata) for s in value.local_shards()]
         return ShardedTensor._init_from_local_shards_and_global_metadata(
@@ -68,3 +69,9 @@ def rebuild(value: Any, replace: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
         return tuple(rebuild(v, replace) for v in value)
     return copy.deepcopy(value)
+
+
+def _dtensor_like(like: DTensor, local: torch.Tensor) -> DTensor:
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=like.size(), stride=like.stride()
+    )

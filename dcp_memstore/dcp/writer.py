@@ -16,7 +16,6 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -32,7 +31,12 @@ from dcp_memstore.dcp.save_order import SaveOrder
 from dcp_memstore.dcp.stager import Stager, current_rank
 from dcp_memstore.errors import CheckpointExistsError
 from dcp_memstore.store import catalog
-from dcp_memstore.store.checksum import checksum_bytes, checksum_memory
+from dcp_memstore.store.checksum import (
+    checksum_bytes,
+    checksum_memory,
+    copy_with_checksum,
+    write_with_checksum,
+)
 from dcp_memstore.store.faults import crash_point
 from dcp_memstore.store.ids import validate_name
 from dcp_memstore.store.layout import MANIFEST, objects_name, shard_name
@@ -43,6 +47,7 @@ from dcp_memstore.store.packing import ITEM_ALIGN, pack
 from dcp_memstore.store.pool import FilePool
 from dcp_memstore.store.records import write_atomic
 from dcp_memstore.store.space import check_space
+from dcp_memstore.store.threads import run_parallel
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -254,15 +259,14 @@ class _RankWrite:
         # Checked again here because with plan caching DCP hands prepare_local_plan an empty plan.
         needed = sum(t.numel() * t.element_size() for _, t in to_copy) + sum(len(b) for _, b in objects)
         check_space(self.store.layout.root, needed, FilePool(self.store.layout, self.rank).reusable_bytes())
-        copy_files = self._allocate_copy_files(to_copy, next_index)
+        copy_files = self._place_copies(to_copy, next_index)
 
         jobs = [
             functools.partial(self._checksum_staged, names[k], entries) for k, (_, entries) in staged.items()
         ]
         jobs += [functools.partial(self._copy_into, f) for f in copy_files]
-        with ThreadPoolExecutor(max(1, min(len(jobs), self.store.io_threads))) as ex:
-            for part in ex.map(lambda job: job(), jobs):
-                self.results.extend(part)
+        for part in run_parallel(lambda job: job(), jobs, self.store.io_threads):
+            self.results.extend(part)
         self._write_objects(objects)
         crash_point("write-data", self.rank)
         for key, (mf, _) in staged.items():
@@ -292,35 +296,48 @@ class _RankWrite:
             out.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=loc))
         return out
 
-    def _allocate_copy_files(self, to_copy: list[tuple[WriteItem, torch.Tensor]], first_index: int) -> list:
+    def _place_copies(self, to_copy: list[tuple[WriteItem, torch.Tensor]], first_index: int) -> list:
+        """Split the tensors to copy into ``io_threads`` files: (name, size, [(item, offset, tensor)])."""
         if not to_copy:
             return []
         sizes = [t.numel() * t.element_size() for _, t in to_copy]
         placements, file_sizes = pack(sizes, self.store.io_threads)
-        pool = FilePool(self.store.layout, self.rank)
-        files = []
-        for b, size in enumerate(file_sizes):
-            name = shard_name(self.rank, first_index + b)
-            mf = pool.acquire(self.dir / name, size)
-            entries = [
-                (item, p.offset, t) for (item, t), p in zip(to_copy, placements, strict=False) if p.bin == b
-            ]
-            files.append((name, mf, entries))
-        return files
+        return [
+            (
+                shard_name(self.rank, first_index + b),
+                size,
+                [(item, p.offset, t) for (item, t), p in zip(to_copy, placements, strict=True) if p.bin == b],
+            )
+            for b, size in enumerate(file_sizes)
+        ]
 
-    def _copy_into(self, spec: tuple[str, MappedFile, list]) -> list[WriteResult]:
-        name, mf, entries = spec
-        if any(t.device.type == "cuda" for _, _, t in entries):
+    def _copy_into(self, spec: tuple[str, int, list]) -> list[WriteResult]:
+        """One I/O thread's file: claim it (from the pool if possible), copy its tensors, checksum them.
+
+        A file this process has mapped before (a reused one) is written through the mapping; any other is
+        written with pwrite, which spares mapping and faulting in pages that may never be read here.
+        GPU tensors always go through the (pinned) mapping."""
+        name, size, entries = spec
+        fd = FilePool(self.store.layout, self.rank).claim(self.dir / name, size)
+        st = os.fstat(fd)
+        on_gpu = any(t.device.type == "cuda" for _, _, t in entries)
+        mapped = on_gpu or MAPPINGS.is_mapped((st.st_dev, st.st_ino))
+        mf = MAPPINGS.map_fd(fd, populate_write=True) if mapped else None
+        if on_gpu:
             mf.pin_for_cuda()
         out = []
-        for item, off, t in entries:
-            dst = mf.tensor(off, t.dtype, t.shape)
-            dst.copy_(t)
-            n = t.numel() * t.element_size()
-            loc = ShardLocation(
-                name, off, n, checksum_memory(mf.address + off, n), dtype_name(t.dtype), tuple(t.shape)
-            )
-            out.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=loc))
+        try:
+            for item, off, t in entries:
+                if mf is not None:
+                    crc = copy_with_checksum(mf.tensor(off, t.dtype, t.shape), t)
+                else:
+                    crc = write_with_checksum(fd, off, t.contiguous())
+                n = t.numel() * t.element_size()
+                loc = ShardLocation(name, off, n, crc, dtype_name(t.dtype), tuple(t.shape))
+                out.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=loc))
+        finally:
+            if mf is None:
+                os.close(fd)
         return out
 
     def _write_objects(self, objects: list[tuple[WriteItem, memoryview]]) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from dcp_memstore.store.layout import COMMITTED, INPROGRESS, StoreLayout, shard_rank
+from dcp_memstore.store.layout import COMMITTED, INPROGRESS, StoreLayout, shard_rank, slot_pid
 from dcp_memstore.store.pool import FilePool
 from dcp_memstore.store.records import read_record, write_record
 
@@ -143,7 +143,8 @@ def evict(layout: StoreLayout, keep: int, protected: frozenset[str] = frozenset(
 
 def clear_abandoned(layout: StoreLayout, before: float | None = None) -> list[str]:
     """Discard uncommitted checkpoint directories whose saving process is dead, and (with ``before``) those
-    this process started before time ``before`` and never committed. Also empties the trash."""
+    this process started before time ``before`` and never committed. Also recycles the staging slots of
+    dead processes and empties the trash."""
     cleared = []
     try:
         entries = list(os.scandir(layout.checkpoints_dir))
@@ -172,6 +173,10 @@ def clear_abandoned(layout: StoreLayout, before: float | None = None) -> list[st
         if stale:
             discard(layout, d)
             cleared.append(e.name)
+    for s in list(os.scandir(layout.staging_dir)) if layout.staging_dir.exists() else []:
+        pid = slot_pid(s.name)
+        if pid is not None and s.is_dir() and not psutil.pid_exists(pid):
+            recycle(layout, Path(s.path))  # staged by a process that died before its save used the slot
     for t in list(os.scandir(layout.trash_dir)) if layout.trash_dir.exists() else []:
         recycle(layout, Path(t.path))
     return cleared

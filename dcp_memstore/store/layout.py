@@ -19,6 +19,7 @@ COMMITTED = "COMMITTED"
 MANIFEST = "manifest.msgpack"
 SHARD_SUFFIX = ".shard"
 _SHARD_RE = re.compile(r"__(\d+)_(\d+)\.shard")
+_SLOT_RE = re.compile(r"r(\d+)-p(\d+)-[0-9a-f]+")
 
 
 def shard_name(rank: int, index: int) -> str:
@@ -35,6 +36,17 @@ def shard_rank(name: str) -> int | None:
     """The rank that wrote shard file ``name``, or None if ``name`` is not a shard file."""
     m = _SHARD_RE.fullmatch(name)
     return int(m.group(1)) if m else None
+
+
+def slot_name(rank: int, pid: int, token: str) -> str:
+    """Name of a staging slot of rank ``rank`` made by process ``pid`` (start-up clears slots of dead pids)."""
+    return f"r{rank}-p{pid}-{token}"
+
+
+def slot_pid(name: str) -> int | None:
+    """The process that made staging slot ``name``, or None if ``name`` is not a staging slot."""
+    m = _SLOT_RE.fullmatch(name)
+    return int(m.group(2)) if m else None
 
 
 @dataclass(frozen=True)

@@ -44,8 +44,9 @@ class FilePool:
                 total += e.stat().st_size
         return total
 
-    def acquire(self, dest: Path, size: int) -> MappedFile:
-        """Make a mapped, fully allocated file of at least ``size`` bytes at ``dest``, from the pool if possible."""
+    def claim(self, dest: Path, size: int) -> int:
+        """Make a fully allocated file of at least ``size`` bytes at ``dest``, from the pool if possible;
+        return an O_RDWR descriptor of it (the caller closes it or hands it to ``MAPPINGS.map_fd``)."""
         size = round_up(size)
         for entry in self._ranked(size):
             try:
@@ -53,8 +54,11 @@ class FilePool:
             except FileNotFoundError:
                 continue  # another process claimed it first
             break
-        fd = allocate_file(dest, self._target_size(dest, size))
-        return MAPPINGS.map_fd(fd, populate_write=True)
+        return allocate_file(dest, self._target_size(dest, size))
+
+    def acquire(self, dest: Path, size: int) -> MappedFile:
+        """``claim`` a file and map it into this process (pages faulted in, for writing)."""
+        return MAPPINGS.map_fd(self.claim(dest, size), populate_write=True)
 
     def release(self, path: Path) -> None:
         """Return a shard file to the pool."""

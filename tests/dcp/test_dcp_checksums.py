@@ -53,7 +53,7 @@ def test_flipped_byte_in_a_shard_fails_load_naming_file_and_item(shm_dir, mode):
     msg = str(ei.value)
     assert "ChecksumMismatchError" in msg
     assert f"checksum mismatch in {path} for item model.w" in msg
-    assert f"expected crc32c {loc.checksum:#010x}" in msg
+    assert f"expected xxh3_64 {loc.checksum:#018x}" in msg
 
 
 def test_with_verification_off_the_corrupt_value_is_loaded(shm_dir):

@@ -1,0 +1,27 @@
+"""Process-wide I/O thread pools, so a save or load does not pay for starting threads each time."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+_pools: dict[int, ThreadPoolExecutor] = {}
+_lock = threading.Lock()
+
+
+def run_parallel(fn: Callable[[Any], T], items: Iterable[Any], threads: int) -> list[T]:
+    """``[fn(x) for x in items]`` on up to ``threads`` threads (inline for one item or one thread)."""
+    items = list(items)
+    threads = min(threads, len(items))
+    if threads <= 1:
+        return [fn(x) for x in items]
+    with _lock:
+        pool = _pools.get(threads)
+        if pool is None:
+            pool = _pools[threads] = ThreadPoolExecutor(
+                threads, thread_name_prefix=f"dcp_memstore_io{threads}"
+            )
+    return list(pool.map(fn, items))
