@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import io
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from dcp_memstore.dcp.metadata_codec import decode_metadata, dtype_from_name
+from dcp_memstore.dcp.metadata_codec import decode_metadata, dtype_from_name, dtype_name
 from dcp_memstore.errors import ChecksumMismatchError
-from dcp_memstore.store.checksum import checksum_memory, memory_view
+from dcp_memstore.store.checksum import checksum_bytes, checksum_memory, memory_view, read_with_checksum
 from dcp_memstore.store.ids import validate_name
 from dcp_memstore.store.layout import MANIFEST
 from dcp_memstore.store.manifest import Manifest, ShardLocation
@@ -81,53 +83,100 @@ class MemoryStorageReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         assert self._dir is not None
-        files: dict[str, MappedFile] = {}
-        for name in sorted({self._storage_data[r.storage_index].file for r in plan.items}):
-            files[name] = MAPPINGS.map_path(self._dir / name)
-        if self.store.verify_checksums:
-            self._verify(plan.items, files)
-        copies = []
+        by_file: dict[str, list[_Read]] = {}
         for req in plan.items:
             loc = self._storage_data[req.storage_index]
-            mf = files[loc.file]
-            if req.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(req, io.BytesIO(bytes(memory_view(mf.address + loc.offset, loc.length))))
-                continue
-            src = mf.tensor(loc.offset, dtype_from_name(loc.dtype), loc.shape)
-            src = narrow_tensor_by_index(src, req.storage_offsets, req.lengths)
-            dst = planner.resolve_tensor(req).detach()
-            if dst.size() != src.size():
-                raise ValueError(
-                    f"{req.storage_index.fqn}: stored region {tuple(src.size())} does not match "
-                    f"destination {tuple(dst.size())}"
-                )
-            if dst.is_cuda:
-                mf.pin_for_cuda()  # host-to-device from page-locked tmpfs pages
-            copies.append((req, src, dst))
-        run_parallel(lambda c: c[2].copy_(c[1]), copies, self.store.io_threads)
-        for req, _, dst in copies:
-            planner.commit_tensor(req, dst)
+            dst = None if req.type == LoadItemType.BYTE_IO else planner.resolve_tensor(req).detach()
+            by_file.setdefault(loc.file, []).append(_Read(req, loc, dst))
+        # Files are read in parallel; the planner is called from this thread only.
+        for reads in run_parallel(self._read_file, by_file.values(), self.store.io_threads):
+            for r in reads:
+                if r.dst is None:
+                    planner.load_bytes(r.req, io.BytesIO(r.data))
+                else:
+                    planner.commit_tensor(r.req, r.dst)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _verify(self, items: list[ReadItem], files: dict[str, MappedFile]) -> None:
-        unique = {}
-        for req in items:
-            unique.setdefault((req.storage_index.fqn, req.storage_index.offset), req.storage_index)
+    def _read_file(self, reads: list[_Read]) -> list[_Read]:
+        """Read one file's items into their destinations, verifying checksums.
 
-        def check(index: MetadataIndex) -> None:
-            loc = self._storage_data[index]
-            mf = files[loc.file]
-            if loc.offset + loc.length > mf.size:
-                raise ChecksumMismatchError(str(self._dir / loc.file), _item_name(index), loc.checksum, 0)
-            actual = checksum_memory(mf.address + loc.offset, loc.length)
-            if actual != loc.checksum:
-                raise ChecksumMismatchError(
-                    str(self._dir / loc.file), _item_name(index), loc.checksum, actual
+        Whole items into contiguous CPU destinations, from a file this process has not mapped (a restart),
+        are read with pread straight into the destination and hashed chunk by chunk while in cache.
+        Everything else (resharded regions, GPU destinations, files already mapped here) is copied from
+        the file's mapping."""
+        path = self._dir / reads[0].loc.file
+        st = os.stat(path)
+        if MAPPINGS.is_mapped((st.st_dev, st.st_ino)) or not all(r.whole() for r in reads):
+            self._read_mapped(MAPPINGS.map_path(path), reads)
+        else:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                for r in reads:
+                    if r.dst is None:
+                        r.data = os.pread(fd, r.loc.length, r.loc.offset)
+                        actual = checksum_bytes(r.data) if len(r.data) == r.loc.length else None
+                    else:
+                        actual = read_with_checksum(fd, r.loc.offset, r.dst)
+                    self._check(r, actual)
+            finally:
+                os.close(fd)
+        return reads
+
+    def _read_mapped(self, mf: MappedFile, reads: list[_Read]) -> None:
+        verified: set[tuple[int, int]] = set()
+        for r in reads:
+            loc = r.loc
+            if (loc.offset, loc.length) not in verified:
+                inside = loc.offset + loc.length <= mf.size
+                self._check(r, checksum_memory(mf.address + loc.offset, loc.length) if inside else None)
+                verified.add((loc.offset, loc.length))
+            if r.dst is None:
+                r.data = bytes(memory_view(mf.address + loc.offset, loc.length))
+                continue
+            src = narrow_tensor_by_index(
+                mf.tensor(loc.offset, dtype_from_name(loc.dtype), loc.shape),
+                r.req.storage_offsets,
+                r.req.lengths,
+            )
+            if r.dst.size() != src.size():
+                raise ValueError(
+                    f"{r.req.storage_index.fqn}: stored region {tuple(src.size())} does not "
+                    f"match destination {tuple(r.dst.size())}"
                 )
+            if r.dst.is_cuda:
+                mf.pin_for_cuda()  # host-to-device from page-locked tmpfs pages
+            r.dst.copy_(src)
 
-        run_parallel(check, unique.values(), self.store.io_threads)
+    def _check(self, r: _Read, actual: int | None) -> None:
+        """Raise ChecksumMismatchError unless ``actual`` (None: bytes missing) is the recorded checksum."""
+        if actual is None or (self.store.verify_checksums and actual != r.loc.checksum):
+            raise ChecksumMismatchError(
+                str(self._dir / r.loc.file), _item_name(r.req.storage_index), r.loc.checksum, actual or 0
+            )
+
+
+@dataclass
+class _Read:
+    """One ReadItem, where its bytes are, and where they go (``dst``, or ``data`` for serialised values)."""
+
+    req: ReadItem
+    loc: ShardLocation
+    dst: torch.Tensor | None
+    data: bytes = b""
+
+    def whole(self) -> bool:
+        """True if the whole stored item goes unchanged into a contiguous CPU tensor (or is bytes)."""
+        if self.dst is None:
+            return True
+        return (
+            self.dst.device.type == "cpu"
+            and self.dst.is_contiguous()
+            and dtype_name(self.dst.dtype) == self.loc.dtype
+            and tuple(self.dst.shape) == self.loc.shape
+            and not any(self.req.storage_offsets)
+        )
 
 
 def _item_name(index: MetadataIndex) -> str:

@@ -73,3 +73,20 @@ def write_with_checksum(fd: int, offset: int, src: torch.Tensor) -> int:
             done += os.pwrite(fd, chunk[done:], offset + off + done)
         h.update(chunk)
     return h.intdigest()
+
+
+def read_with_checksum(fd: int, offset: int, dst: torch.Tensor) -> int | None:
+    """``pread`` ``dst``'s size in bytes from ``fd`` at ``offset`` straight into the contiguous CPU tensor
+    ``dst``; return their checksum, or None if the file ends first."""
+    h = xxhash.xxh3_64()
+    base, n = dst.data_ptr(), dst.numel() * dst.element_size()
+    for off in range(0, n, CHUNK):
+        chunk = memory_view(base + off, min(CHUNK, n - off))
+        done = 0
+        while done < len(chunk):
+            got = os.preadv(fd, [chunk[done:]], offset + off + done)
+            if got == 0:
+                return None
+            done += got
+        h.update(chunk)
+    return h.intdigest()
