@@ -1,0 +1,92 @@
+"""dcp.async_save on 2 gloo ranks with the THREAD and PROCESS executors and plan caching, loaded bit-exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from mp_harness import MultiProc, assert_bit_equal, blank_like, make_tensor
+from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from dcp_memstore import MemoryStorageReader, MemoryStorageWriter, MemStore
+
+pytestmark = pytest.mark.slow
+
+SAVES = 4
+KEEP = 2
+
+
+def expected_state(step: int, rank: int) -> dict:
+    """What the training state holds at ``step``: per-rank values, replicated values, a plain value."""
+    return {
+        f"rank{rank}": {
+            "w": make_tensor(step * 100 + rank * 10 + 1, (64, 33), torch.float32),
+            "b": make_tensor(step * 100 + rank * 10 + 2, (17,), torch.bfloat16),
+        },
+        "shared": {"ids": make_tensor(step * 100 + 91, (9,), torch.int64)},
+        "extra": {"step": step},
+    }
+
+
+def global_tensor(step: int) -> torch.Tensor:
+    return make_tensor(step * 100 + 95, (10, 6), torch.float32)
+
+
+def async_saves(rank: int, world: int, root: str, executor: str, plan_caching: bool) -> dict:
+    """Train in place, async-save after every step, clobber the live tensors while the save runs, wait on
+    each future; then load the kept checkpoints bit-exact."""
+    kind = AsyncCheckpointerType(executor)
+    mesh = init_device_mesh("cpu", (world,))
+    store = MemStore(root, "job", keep_in_memory=KEEP)
+    writer = MemoryStorageWriter(store)  # one writer and one planner for the whole run, as a trainer would
+    planner = DefaultSavePlanner(enable_plan_caching=plan_caching)
+    live = expected_state(0, rank)
+    live["dt"] = distribute_tensor(global_tensor(0), mesh, [Shard(0)])
+    for step in range(1, SAVES + 1):
+        # "training": the same tensor objects get new values
+        for key, src in expected_state(step, rank).items():
+            if key == "extra":
+                live[key] = dict(src)
+            else:
+                for name, t in src.items():
+                    live[key][name].copy_(t)
+        live["dt"].to_local().copy_(distribute_tensor(global_tensor(step), mesh, [Shard(0)]).to_local())
+        fut = dcp.async_save(
+            live,
+            checkpoint_id=f"step-{step}",
+            storage_writer=writer,
+            planner=planner,
+            async_checkpointer_type=kind,
+        )
+        for key in ("shared", f"rank{rank}"):  # the next steps overwrite the state while the save runs
+            for t in live[key].values():
+                t.fill_(7)
+        live["dt"].to_local().fill_(7)
+        fut.result(timeout=120)
+    listed = store.list_checkpoints()
+    latest = store.latest_checkpoint()
+    reader = MemoryStorageReader(store)
+    for step in range(SAVES - KEEP + 1, SAVES + 1):
+        expected = expected_state(step, rank)
+        target = blank_like(expected)
+        target["dt"] = distribute_tensor(torch.zeros(10, 6), mesh, [Shard(0)])
+        dcp.load(target, checkpoint_id=f"step-{step}", storage_reader=reader)
+        assert_bit_equal(target.pop("dt").full_tensor(), global_tensor(step), f"step-{step} dt")
+        assert_bit_equal(target, expected, f"step-{step} rank {rank}")
+    writer.close()
+    return {"listed": listed, "latest": latest}
+
+
+@pytest.mark.parametrize(
+    ("executor", "plan_caching"),
+    [("thread", False), ("thread", True), ("process", False), ("process", True)],
+)
+def test_async_saves_then_load(mp: MultiProc, executor: str, plan_caching: bool) -> None:
+    results = mp.run(async_saves, 2, str(mp.root), executor, plan_caching)
+    kept = [f"step-{s}" for s in range(SAVES - KEEP + 1, SAVES + 1)]
+    assert results == [{"listed": kept, "latest": kept[-1]}] * 2
+    assert sorted(p.name for p in (mp.job_dir / "checkpoints").iterdir()) == kept
+    assert not any((mp.job_dir / "staging").iterdir()), "staging slots left behind after every save finished"
