@@ -314,15 +314,13 @@ class _RankWrite:
     def _copy_into(self, spec: tuple[str, int, list]) -> list[WriteResult]:
         """One I/O thread's file: claim it (from the pool if possible), copy its tensors, checksum them.
 
-        A file this process has mapped before (a reused one) is written through the mapping; any other is
-        written with pwrite, which spares mapping and faulting in pages that may never be read here.
-        GPU tensors always go through the (pinned) mapping."""
+        A reused file is written through its mapping (mapped once per process, then cached: steady-state
+        saves are plain memcpy); a new file is written with pwrite, which spares mapping and faulting in
+        pages of a file that may never be reused here. GPU tensors always go through the (pinned) mapping."""
         name, size, entries = spec
-        fd = FilePool(self.store.layout, self.rank).claim(self.dir / name, size)
-        st = os.fstat(fd)
+        fd, reused = FilePool(self.store.layout, self.rank).claim(self.dir / name, size)
         on_gpu = any(t.device.type == "cuda" for _, _, t in entries)
-        mapped = on_gpu or MAPPINGS.is_mapped((st.st_dev, st.st_ino))
-        mf = MAPPINGS.map_fd(fd, populate_write=True) if mapped else None
+        mf = MAPPINGS.map_fd(fd, populate_write=True) if reused or on_gpu else None
         if on_gpu:
             mf.pin_for_cuda()
         out = []

@@ -44,21 +44,31 @@ class FilePool:
                 total += e.stat().st_size
         return total
 
-    def claim(self, dest: Path, size: int) -> int:
-        """Make a fully allocated file of at least ``size`` bytes at ``dest``, from the pool if possible;
-        return an O_RDWR descriptor of it (the caller closes it or hands it to ``MAPPINGS.map_fd``)."""
+    def claim(self, dest: Path, size: int) -> tuple[int, bool]:
+        """Put a fully allocated file of at least ``size`` bytes at ``dest``: a pooled file that fits, else a
+        new one. Returns an O_RDWR descriptor (the caller closes it or hands it to ``MAPPINGS.map_fd``) and
+        whether the file was reused.
+
+        A pooled file is never resized: another process may hold a mapping of it at its old size (DCP's
+        checkpoint process keeps the storages it received), and a file shrunk under a mapping raises SIGBUS.
+        When no pooled file fits, the misfits are deleted first so their memory serves the new file.
+        """
         size = round_up(size)
-        for entry in self._ranked(size):
+        fitting, misfits = self._candidates(size)
+        for entry in fitting:
             try:
                 os.rename(entry.path, dest)
             except FileNotFoundError:
                 continue  # another process claimed it first
-            break
-        return allocate_file(dest, self._target_size(dest, size))
+            return os.open(dest, os.O_RDWR | os.O_CLOEXEC), True
+        for entry in misfits:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+        return allocate_file(dest, size), False
 
     def acquire(self, dest: Path, size: int) -> MappedFile:
         """``claim`` a file and map it into this process (pages faulted in, for writing)."""
-        return MAPPINGS.map_fd(self.claim(dest, size), populate_write=True)
+        return MAPPINGS.map_fd(self.claim(dest, size)[0], populate_write=True)
 
     def release(self, path: Path) -> None:
         """Return a shard file to the pool."""
@@ -73,26 +83,19 @@ class FilePool:
                 os.unlink(e.path)
         MAPPINGS.prune()
 
-    def _ranked(self, size: int) -> list[os.DirEntry]:
-        """Pool files in order of preference: already mapped here and big enough, then big enough, then any."""
-        scored = []
+    def _candidates(self, size: int) -> tuple[list[os.DirEntry], list[os.DirEntry]]:
+        """Pooled files that fit ``size`` (those already mapped here first, then the tightest), and the rest."""
+        fitting, misfits = [], []
         for e in self._entries():
             try:
                 st = e.stat()
             except FileNotFoundError:
                 continue
-            mapped = MAPPINGS.is_mapped((st.st_dev, st.st_ino))
-            fits = size <= st.st_size <= size * _MAX_SLACK
-            scored.append((not (mapped and fits), not fits, abs(st.st_size - size), e))
-        return [e for *_, e in sorted(scored, key=lambda s: s[:3])]
-
-    @staticmethod
-    def _target_size(path: Path, size: int) -> int:
-        try:
-            current = os.stat(path).st_size
-        except FileNotFoundError:
-            return size
-        return current if size <= current <= size * _MAX_SLACK else size
+            if size <= st.st_size <= size * _MAX_SLACK:
+                fitting.append((not MAPPINGS.is_mapped((st.st_dev, st.st_ino)), st.st_size, e))
+            else:
+                misfits.append(e)
+        return [e for *_, e in sorted(fitting, key=lambda f: f[:2])], misfits
 
 
 def _mtime(e: os.DirEntry) -> float:

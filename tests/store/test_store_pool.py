@@ -11,6 +11,7 @@ import torch
 from dcp_memstore.store.layout import SHARD_SUFFIX, StoreLayout
 from dcp_memstore.store.mapping import MAPPINGS
 from dcp_memstore.store.pool import FILE_ALIGN, FilePool, round_up
+from dcp_memstore.store.space import allocate_file
 
 
 @pytest.fixture
@@ -65,22 +66,25 @@ def test_acquire_prefers_a_pooled_file_of_the_right_size(layout, shm_dir):
     pool = FilePool(layout, 0)
     inos = {}
     for name, size in (("small", 8 << 10), ("right", 64 << 10), ("huge", 1 << 20)):
-        pool.acquire(shm_dir / name, size)
+        os.close(allocate_file(shm_dir / name, size))
         inos[name] = os.stat(shm_dir / name).st_ino
         pool.release(shm_dir / name)
     pool.acquire(shm_dir / "new", 64 << 10)
     assert os.stat(shm_dir / "new").st_ino == inos["right"]
+    assert sorted(p.stat().st_ino for p in _pooled(pool)) == sorted([inos["small"], inos["huge"]])
 
 
-def test_a_too_small_pooled_file_is_reused_and_grown(layout, shm_dir):
+def test_a_pooled_file_that_does_not_fit_is_deleted_never_resized(layout, shm_dir):
+    # Another process may map a pooled file at its old size: resizing it would break that mapping.
     pool = FilePool(layout, 0)
     pool.acquire(shm_dir / "a", 8 << 10)
     ino = os.stat(shm_dir / "a").st_ino
     pool.release(shm_dir / "a")
     mf = pool.acquire(shm_dir / "b", 1 << 20)
     st = os.stat(shm_dir / "b")
-    assert st.st_ino == ino
+    assert st.st_ino != ino
     assert st.st_size == mf.size == 1 << 20
+    assert _pooled(pool) == []  # the misfit's memory went back before the new file was allocated
     mf.tensor(0, torch.uint8, (1 << 20,)).fill_(7)  # the whole new size is usable
 
 
