@@ -14,11 +14,17 @@ import time
 from dcp_memstore.store import catalog
 from dcp_memstore.store.layout import MANIFEST
 from dcp_memstore.store.manifest import Manifest
-from dcp_memstore.store.memstore import MemStore
+from dcp_memstore.store.memstore import MemStore, resolve_job_id, resolve_root
 
 
 def _store(args: argparse.Namespace) -> MemStore:
-    return MemStore(root=args.root, job_id=args.job_id)
+    """The store named by the arguments; an error (not a new empty store) if there is none."""
+    root, job = resolve_root(args.root), resolve_job_id(args.job_id)
+    if not (root / job / "checkpoints").is_dir():
+        raise FileNotFoundError(
+            f"no dcp_memstore store for job {job!r} under {root}; check --root and --job-id"
+        )
+    return MemStore(root=root, job_id=job)
 
 
 def _list(args: argparse.Namespace) -> int:

@@ -4,7 +4,8 @@ DCP's THREAD executor runs each ``async_save`` in its own thread. Two saves runn
 their collectives on the same process group in an order that can differ between ranks, which hangs or
 mixes them up. Each staged save gets a ticket in staging order; its background work starts (``begin``)
 only when every earlier ticket's thread has ended. A ticket sent to another process (DCP's PROCESS
-executor pickles the writer) is that process's to order: its own saves there run one after another.
+executor pickles the writer) is that process's to order: its own saves there run one after another; here
+it only has to be sent after the earlier ones (``wait_sent_in_order``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from dcp_memstore.errors import StagingTimeoutError
 
@@ -23,11 +24,17 @@ class Ticket:
     slot: str | None = None  # the staging slot this save's data is in
     thread: threading.Thread | None = None
     remote: bool = False
-    issued: float = field(default_factory=time.monotonic)
 
     def finished(self) -> bool:
         """True once this save can no longer issue collectives in this process."""
         return self.remote or (self.thread is not None and not self.thread.is_alive())
+
+    def running(self, me: threading.Thread) -> bool:
+        return self.thread is not None and self.thread is not me and self.thread.is_alive()
+
+    def slot_left(self) -> bool:
+        """Whether the ticket's staging slot is still on disk (not yet written into a checkpoint)."""
+        return self.slot is not None and os.path.isdir(self.slot)
 
 
 class SaveOrder:
@@ -46,47 +53,45 @@ class SaveOrder:
         self._next = 0
         self._tickets: dict[int, Ticket] = {}
 
-    def issue(self, slot: str | None) -> Ticket:
+    def issue(self) -> Ticket:
         with self._lock:
-            t = Ticket(self._next, slot)
+            t = Ticket(self._next)
             self._tickets[t.seq] = t
             self._next += 1
             return t
 
     def tickets(self) -> list[Ticket]:
+        """Live tickets; finished ones whose slot is gone are dropped on the way."""
         with self._lock:
+            for t in [t for t in self._tickets.values() if t.finished() and not t.slot_left()]:
+                del self._tickets[t.seq]
             return list(self._tickets.values())
 
     def begin(self, seq: int | None, timeout_s: float) -> None:
-        """Bind ticket ``seq`` (None: a synchronous save) to this thread and wait for all earlier saves."""
+        """Bind ticket ``seq`` to this thread and wait until every earlier save has ended here.
+
+        ``seq=None`` is a synchronous ``dcp.save``: it waits for the async saves already running."""
         me = threading.current_thread()
         with self._lock:
             mine = self._tickets.get(seq) if seq is not None else None
             if mine is not None:
                 mine.thread = me
-            limit = seq if seq is not None else self._next
-        deadline = time.monotonic() + timeout_s
-        delay = 0.0005
-        while True:
-            with self._lock:
-                waiting = [
-                    t
-                    for t in self._tickets.values()
-                    if t.seq < limit and t.thread is not me and not t.finished()
-                ]
-                for t in [
-                    t for t in self._tickets.values() if t.finished() and t.seq < limit and not _slot_left(t)
-                ]:
-                    del self._tickets[t.seq]
-            if not waiting:
-                return
-            if time.monotonic() > deadline:
-                raise StagingTimeoutError(
-                    f"a checkpoint save waited {timeout_s:.0f}s for {len(waiting)} earlier save(s) of this job to "
-                    "finish; wait on the futures dcp.async_save returns, or raise MemStore(stage_timeout_s=...)"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, 0.02)
+
+        def blocking() -> list[Ticket]:
+            if seq is None:
+                return [t for t in self.tickets() if t.running(me)]
+            return [t for t in self.tickets() if t.seq < seq and t.thread is not me and not t.finished()]
+
+        self._wait(blocking, timeout_s, "to finish")
+
+    def wait_sent_in_order(self, seq: int, timeout_s: float) -> None:
+        """Before ticket ``seq`` goes to another process: wait until every earlier save there has written
+        its slot, so that process receives the saves in staging order."""
+
+        def blocking() -> list[Ticket]:
+            return [t for t in self.tickets() if t.seq < seq and (t.slot_left() or not t.finished())]
+
+        self._wait(blocking, timeout_s, "to be written")
 
     def cancel(self, seq: int) -> None:
         """Forget a ticket whose save will never run here (no thread ever bound to it)."""
@@ -101,7 +106,22 @@ class SaveOrder:
             if t is not None:
                 t.remote = True
 
-
-def _slot_left(t: Ticket) -> bool:
-    """Whether the ticket's staging slot is still on disk (the stager still has to recycle it)."""
-    return t.slot is not None and os.path.isdir(t.slot)
+    @staticmethod
+    def _wait(blocking, timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        delay = 0.0005
+        while waiting := blocking():
+            if time.monotonic() > deadline:
+                never = [t for t in waiting if t.thread is None and not t.remote]
+                hint = (
+                    f"{len(never)} of them were staged but never started (did that dcp.async_save fail?); "
+                    if never
+                    else ""
+                )
+                raise StagingTimeoutError(
+                    f"a checkpoint save waited {timeout_s:.0f}s for {len(waiting)} earlier save(s) of this job "
+                    f"{what}; {hint}wait on the futures dcp.async_save returns, or raise "
+                    "MemStore(stage_timeout_s=...)"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)

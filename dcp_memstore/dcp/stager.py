@@ -22,7 +22,7 @@ import torch
 from dcp_memstore.dcp import state_tree
 from dcp_memstore.dcp.save_order import SaveOrder, Ticket
 from dcp_memstore.errors import StagingTimeoutError
-from dcp_memstore.store.catalog import recycle
+from dcp_memstore.store.catalog import claim_owner, recycle
 from dcp_memstore.store.device_copy import DeviceToHost
 from dcp_memstore.store.faults import crash_point
 from dcp_memstore.store.layout import shard_name, slot_name
@@ -53,11 +53,13 @@ class Stager:
 
     @classmethod
     def of(cls, store: MemStore) -> Stager:
+        """The job's stager in this process, using ``store``'s current settings."""
         key = str(store.layout.job_dir)
         with cls._instances_lock:
             st = cls._instances.get(key)
             if st is None:
                 st = cls._instances[key] = cls(store)
+            st.store = store
             return st
 
     def __init__(self, store: MemStore) -> None:
@@ -77,32 +79,38 @@ class Stager:
             placements, file_sizes = pack(sizes, self.store.io_threads)
             pool = FilePool(self.store.layout, rank)
             check_space(self.store.layout.root, sum(file_sizes), reusable=pool.reusable_bytes())
-            slot = self.store.layout.staging_dir / slot_name(rank, os.getpid(), uuid.uuid4().hex[:8])
-            slot.mkdir(parents=True)
+            ticket = self.order.issue()
+            slot = self.store.layout.staging_dir / slot_name(
+                rank, os.getpid(), ticket.seq, uuid.uuid4().hex[:8]
+            )
+            ticket.slot = str(slot)
             try:
+                slot.mkdir(parents=True)
+                claim_owner(slot)
                 files = run_parallel(  # a new file's page faults are taken in parallel
                     lambda b: pool.acquire(slot / shard_name(rank, b), file_sizes[b]),
                     range(len(file_sizes)),
                     self.store.io_threads,
+                    pool="stage",
                 )
                 views = [
                     files[p.bin].tensor(p.offset, t.dtype, t.shape)
-                    for t, p in zip(originals, placements, strict=False)
+                    for t, p in zip(originals, placements, strict=True)
                 ]
                 self._copy(originals, views, placements, files)
+                by_id = {id(t): v for t, v in zip(originals, views, strict=True)}
+
+                def replace(t: torch.Tensor) -> torch.Tensor:
+                    v = by_id.get(id(t))
+                    if v is None:
+                        return t.detach().clone() if t.device.type == "cpu" else t.detach().cpu()
+                    return v.requires_grad_(True) if t.requires_grad and v.is_floating_point() else v
+
+                return state_tree.rebuild(state_dict, replace), ticket
             except BaseException:
+                self.order.cancel(ticket.seq)
                 recycle(self.store.layout, slot)
                 raise
-            by_id = {id(t): v for t, v in zip(originals, views, strict=False)}
-
-            def replace(t: torch.Tensor) -> torch.Tensor:
-                v = by_id.get(id(t))
-                if v is None:
-                    return t.detach().clone() if t.device.type == "cpu" else t.detach().cpu()
-                return v.requires_grad_(True) if t.requires_grad and v.is_floating_point() else v
-
-            staged = state_tree.rebuild(state_dict, replace)
-            return staged, self.order.issue(str(slot))
 
     def _copy(
         self, src: list[torch.Tensor], dst: list[torch.Tensor], placements: list, files: list[MappedFile]
@@ -126,7 +134,7 @@ class Stager:
                 if n == 0:
                     crash_point("stage-copy", current_rank())
 
-        run_parallel(copy_bin, by_bin.values(), self.store.io_threads)
+        run_parallel(copy_bin, by_bin.values(), self.store.io_threads, pool="stage")
 
     def _wait_for_room(self) -> None:
         """Block until fewer than max_in_flight of this job's slots (this process) are still being written."""
@@ -148,7 +156,7 @@ class Stager:
     def _active_slots(self) -> list[Ticket]:
         active = []
         for t in self.order.tickets():
-            if t.slot is None or not os.path.isdir(t.slot):
+            if not t.slot_left():
                 continue
             if t.finished() and not t.remote:
                 recycle(

@@ -19,8 +19,8 @@ from torch.distributed.tensor import DTensor
 def _children(value: Any) -> Iterator[Any]:
     if isinstance(value, dict):
         yield from value.values()
-    elif isinstance(value, (list, tuple)):
-        yield from value
+    elif isinstance(value, list) or (isinstance(value, tuple) and not hasattr(value, "_fields")):
+        yield from value  # a namedtuple is deep-copied whole by rebuild(), so its tensors are not staged
 
 
 def tensors(value: Any) -> list[torch.Tensor]:
@@ -43,7 +43,7 @@ def tensors(value: Any) -> list[torch.Tensor]:
 
 
 def rebuild(value: Any, replace: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``value`` with each tensor from ``tensors(value)`` passed through ``replace``, in the same order."""
+    """``value`` with each tensor that ``tensors(value)`` lists passed through ``replace``."""
     if isinstance(value, DTensor):
         local = replace(value._local_tensor)
         if local.storage_offset() == 0:

@@ -14,6 +14,7 @@ import io
 import os
 import time
 import uuid
+import weakref
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
+from torch.multiprocessing import get_sharing_strategy
 
 from dcp_memstore.dcp.metadata_codec import dtype_name, encode_metadata
 from dcp_memstore.dcp.save_order import SaveOrder
@@ -39,7 +41,7 @@ from dcp_memstore.store.checksum import (
 )
 from dcp_memstore.store.faults import crash_point
 from dcp_memstore.store.ids import validate_name
-from dcp_memstore.store.layout import MANIFEST, objects_name, shard_name
+from dcp_memstore.store.layout import MANIFEST, StoreLayout, objects_name, parse_slot, shard_name
 from dcp_memstore.store.manifest import Manifest, ManifestItem, ShardLocation
 from dcp_memstore.store.mapping import MAPPINGS, MappedFile
 from dcp_memstore.store.memstore import MemStore
@@ -87,24 +89,47 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         self._current: tuple[int, str | None] | None = None  # this save's (ticket seq, staging slot)
         self._armed = False  # reset() ran for the save in progress
         self._save_started = 0.0
+        # A staged save that never runs (its async_save failed after staging) must not block later ones.
+        self._abandon = weakref.finalize(self, _abandon_pending, store.layout, self._pending)
 
     # -- pickling (DCP's PROCESS executor sends the writer to its checkpoint process) -------------------
 
     def __getstate__(self) -> dict[str, Any]:
-        """The receiving process takes over the saves staged so far: it runs them, in its own order."""
+        """The receiving process takes over the saves staged so far and runs them in the order it gets them,
+        so this waits until every earlier staged save of the job has been written there."""
+        if get_sharing_strategy() != "file_descriptor":
+            raise RuntimeError(
+                "dcp_memstore's staged tensors reach DCP's checkpoint process as file descriptors; "
+                f"torch.multiprocessing's sharing strategy is {get_sharing_strategy()!r}. Call "
+                "torch.multiprocessing.set_sharing_strategy('file_descriptor') or use the THREAD executor."
+            )
         order = SaveOrder.of(str(self.store.layout.job_dir))
+        for seq, _ in self._pending:
+            order.wait_sent_in_order(seq, self.store.stage_timeout_s)
+            order.mark_remote(seq)
         state = dict(self.__dict__)
         state["_pending"] = deque(self._pending)
-        for seq, _ in self._pending:
-            order.mark_remote(seq)
+        state.pop("_abandon", None)
         self._pending.clear()
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._abandon = weakref.finalize(self, _abandon_pending, self.store.layout, self._pending)
 
     # -- AsyncStager -----------------------------------------------------------------------------------
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Copy ``state_dict``'s tensors into tmpfs shard files; training may go on once this returns."""
         staged, ticket = Stager.of(self.store).stage(state_dict)
+        if (
+            self._pending
+        ):  # an earlier save staged by this writer has not started: we could not tell them apart
+            _abandon_pending(self.store.layout, deque([(ticket.seq, ticket.slot)]))
+            raise ValueError(
+                "this MemoryStorageWriter already has a staged save that has not started; give each "
+                "overlapping dcp.async_save its own MemoryStorageWriter(store), or wait for the previous future"
+            )
         self._pending.append((ticket.seq, ticket.slot))
         return staged
 
@@ -131,6 +156,8 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             raise
         self._current, self.checkpoint_id, self._armed = ticket, cid, True
         self._save_started = time.time()
+        if ticket is not None and ticket[1] is not None:
+            _recycle_unwritten_before(self.store.layout, Path(ticket[1]))
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -220,6 +247,29 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                 catalog.recycle(self.store.layout, Path(slot))
             SaveOrder.of(str(self.store.layout.job_dir)).cancel(seq)
         self._current = None
+        self._armed = False
+
+
+def _abandon_pending(layout: StoreLayout, pending: deque) -> None:
+    """Give back the slots and tickets of staged saves that will never run."""
+    while pending:
+        seq, slot = pending.popleft()
+        SaveOrder.of(str(layout.job_dir)).cancel(seq)
+        if slot is not None:
+            catalog.recycle(layout, Path(slot))
+
+
+def _recycle_unwritten_before(layout: StoreLayout, slot: Path) -> None:
+    """Recycle the slots that the same stager made before ``slot`` and that are still unwritten: their saves
+    ended (this one started only after them) without writing them, because they failed somewhere."""
+    mine = parse_slot(slot.name)
+    if mine is None:
+        return
+    rank, pid, seq = mine
+    for entry in list(os.scandir(layout.staging_dir)):
+        other = parse_slot(entry.name)
+        if other is not None and other[:2] == (rank, pid) and other[2] < seq:
+            catalog.recycle(layout, Path(entry.path))
 
 
 class _RankWrite:
@@ -232,6 +282,11 @@ class _RankWrite:
         self.slot = writer._current[1] if writer._current else None
         self.plan, self.planner = plan, planner
         self.results: list[WriteResult] = []
+        self.slot_files: dict[tuple[int, int], str] = {}  # identity -> path of this save's staged files
+        if self.slot is not None:
+            for e in os.scandir(self.slot):
+                st = e.stat()
+                self.slot_files[(st.st_dev, st.st_ino)] = e.path
 
     def run(self) -> list[WriteResult]:
         staged: dict[int, tuple[MappedFile, list[tuple[WriteItem, int, torch.Tensor]]]] = {}
@@ -243,8 +298,9 @@ class _RankWrite:
                 buf = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
                 objects.append((item, buf))
                 continue
-            t = data.detach()
-            mf = self._staged_file(t)
+            t = data.detach().resolve_conj().resolve_neg()  # raw bytes must hold the values, not lazy bits
+            mf = MAPPINGS.find(t)
+            mf = mf if mf is not None and mf.key in self.slot_files else None
             off = mf.contains(t) if mf is not None else None
             if off is not None:
                 staged.setdefault(id(mf), (mf, []))[1].append((item, off, t))
@@ -270,19 +326,10 @@ class _RankWrite:
         self._write_objects(objects)
         crash_point("write-data", self.rank)
         for key, (mf, _) in staged.items():
-            os.rename(mf.path, self.dir / names[key])
+            os.rename(self.slot_files[mf.key], self.dir / names[key])
         if self.slot is not None:
             catalog.recycle(self.store.layout, Path(self.slot))  # files this rank's plan did not need
         return self.results
-
-    def _staged_file(self, t: torch.Tensor) -> MappedFile | None:
-        mf = MAPPINGS.find(t)
-        if mf is None or self.slot is None:
-            return None
-        try:
-            return mf if Path(mf.path).parent == Path(self.slot) else None
-        except FileNotFoundError:
-            return None
 
     def _checksum_staged(
         self, name: str, entries: list[tuple[WriteItem, int, torch.Tensor]]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from dcp_memstore.store.layout import COMMITTED, INPROGRESS, StoreLayout, shard_rank, slot_pid
+from dcp_memstore.store.layout import COMMITTED, INPROGRESS, OWNER, StoreLayout, name_pid, shard_rank
 from dcp_memstore.store.pool import FilePool
 from dcp_memstore.store.records import read_record, write_record
 
@@ -62,7 +62,7 @@ def _is_self(owner: dict) -> bool:
 def begin(layout: StoreLayout, checkpoint_id: str) -> Path:
     """Create the checkpoint's directory, already holding its INPROGRESS marker (coordinator only)."""
     final = layout.checkpoint_dir(checkpoint_id)
-    tmp = layout.checkpoints_dir / f".new-{uuid.uuid4().hex}"
+    tmp = layout.checkpoints_dir / f".new-{os.getpid()}-{uuid.uuid4().hex}"
     tmp.mkdir(parents=True)
     write_record(tmp / INPROGRESS, _owner())
     try:
@@ -132,10 +132,10 @@ def recycle(layout: StoreLayout, directory: Path) -> None:
     shutil.rmtree(directory, ignore_errors=True)
 
 
-def evict(layout: StoreLayout, keep: int, protected: frozenset[str] = frozenset()) -> list[str]:
-    """Evict all but the ``keep`` newest committed checkpoints (never one in ``protected``)."""
+def evict(layout: StoreLayout, keep: int) -> list[str]:
+    """Evict all but the ``keep`` newest committed checkpoints."""
     recs = committed(layout)
-    victims = [r.checkpoint_id for r in recs[: max(0, len(recs) - keep)] if r.checkpoint_id not in protected]
+    victims = [r.checkpoint_id for r in recs[: max(0, len(recs) - keep)]]
     for cid in victims:
         discard(layout, layout.checkpoint_dir(cid))
     return victims
@@ -154,9 +154,8 @@ def clear_abandoned(layout: StoreLayout, before: float | None = None) -> list[st
         if not e.is_dir():
             continue
         d = Path(e.path)
-        if e.name.startswith(".new-"):
-            owner = _safe_read(d / INPROGRESS)
-            if owner is None or not _owner_alive(owner):
+        if e.name.startswith(".new-"):  # .new-<pid>-<id>: a checkpoint directory being made
+            if not _maker_alive(d):
                 shutil.rmtree(d, ignore_errors=True)
             continue
         if (d / COMMITTED).exists():
@@ -174,12 +173,25 @@ def clear_abandoned(layout: StoreLayout, before: float | None = None) -> list[st
             discard(layout, d)
             cleared.append(e.name)
     for s in list(os.scandir(layout.staging_dir)) if layout.staging_dir.exists() else []:
-        pid = slot_pid(s.name)
-        if pid is not None and s.is_dir() and not psutil.pid_exists(pid):
+        if s.is_dir() and not _maker_alive(Path(s.path)):
             recycle(layout, Path(s.path))  # staged by a process that died before its save used the slot
     for t in list(os.scandir(layout.trash_dir)) if layout.trash_dir.exists() else []:
         recycle(layout, Path(t.path))
     return cleared
+
+
+def claim_owner(directory: Path) -> None:
+    """Record this process as the owner of ``directory`` (a staging slot), for ``clear_abandoned``."""
+    write_record(directory / OWNER, _owner())
+
+
+def _maker_alive(directory: Path) -> bool:
+    """Whether the process that made ``directory`` (owner record, else the pid in its name) still runs."""
+    owner = _safe_read(directory / OWNER) or _safe_read(directory / INPROGRESS)
+    if owner is not None:
+        return _owner_alive(owner)
+    pid = name_pid(directory.name)
+    return pid is not None and psutil.pid_exists(pid)
 
 
 def _safe_read(path: Path) -> dict | None:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from dcp_memstore.store.checksum import memory_view
 
 
-def dist_active(group: Any = None) -> bool:
+def dist_active() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
@@ -25,7 +25,7 @@ def _device(group: Any) -> torch.device:
 
 def all_gather_records(record: Any, group: Any = None) -> list[Any]:
     """Every rank's ``record`` (msgpack-encodable), in rank order."""
-    if not dist_active(group):
+    if not dist_active():
         return [record]
     dev = _device(group)
     data = torch.frombuffer(bytearray(msgpack.packb(record, use_bin_type=True)), dtype=torch.uint8).to(dev)

@@ -43,25 +43,28 @@ class DeviceToHost:
                     dst.copy_(src.detach(), non_blocking=True)
                 else:
                     bounced.append((src, dst))
+        keep_alive = []
         if bounced:
-            self._through_bounce_buffers(bounced, stream)
+            keep_alive = self._through_bounce_buffers(bounced, stream)
         stream.synchronize()
+        del keep_alive  # temporaries the side stream read from live until it is done with them
 
     def _through_bounce_buffers(
         self, pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: torch.cuda.Stream
-    ) -> None:
+    ) -> list[torch.Tensor]:
         if not self._bounce:
             self._bounce = [
                 torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)
             ]
         events = [torch.cuda.Event(), torch.cuda.Event()]
-        pending: list[tuple[int, torch.Tensor, int] | None] = [
-            None,
-            None,
-        ]  # (buffer, destination bytes, length)
+        pending: list[tuple[int, torch.Tensor, int] | None] = [None, None]  # (buffer, destination, length)
         k = 0
+        sources = []
         for src, dst in pairs:
-            s = src.detach().contiguous().reshape(-1).view(torch.uint8)
+            # A contiguous copy, if one is needed, is made on the stream that reads it.
+            with torch.cuda.stream(stream):
+                s = src.detach().contiguous().reshape(-1).view(torch.uint8)
+            sources.append(s)
             d = dst.reshape(-1).view(torch.uint8)
             for off in range(0, s.numel(), self.chunk_bytes):
                 n = min(self.chunk_bytes, s.numel() - off)
@@ -74,6 +77,7 @@ class DeviceToHost:
                 k += 1
         for b in (k % 2, (k + 1) % 2):
             self._drain(pending, events, b)
+        return sources
 
     def _drain(self, pending: list, events: list[torch.cuda.Event], b: int) -> None:
         if pending[b] is not None:

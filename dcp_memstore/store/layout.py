@@ -17,9 +17,11 @@ from pathlib import Path
 INPROGRESS = "INPROGRESS"
 COMMITTED = "COMMITTED"
 MANIFEST = "manifest.msgpack"
+OWNER = "OWNER"
 SHARD_SUFFIX = ".shard"
 _SHARD_RE = re.compile(r"__(\d+)_(\d+)\.shard")
-_SLOT_RE = re.compile(r"r(\d+)-p(\d+)-[0-9a-f]+")
+_SLOT_RE = re.compile(r"r(\d+)-p(\d+)-s(\d+)-[0-9a-f]+")
+_NEW_RE = re.compile(r"\.new-(\d+)-[0-9a-f]+")
 
 
 def shard_name(rank: int, index: int) -> str:
@@ -38,15 +40,24 @@ def shard_rank(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def slot_name(rank: int, pid: int, token: str) -> str:
-    """Name of a staging slot of rank ``rank`` made by process ``pid`` (start-up clears slots of dead pids)."""
-    return f"r{rank}-p{pid}-{token}"
+def slot_name(rank: int, pid: int, seq: int, token: str) -> str:
+    """Name of the staging slot of rank ``rank``'s ``seq``-th staged save in process ``pid``."""
+    return f"r{rank}-p{pid}-s{seq}-{token}"
 
 
-def slot_pid(name: str) -> int | None:
-    """The process that made staging slot ``name``, or None if ``name`` is not a staging slot."""
+def parse_slot(name: str) -> tuple[int, int, int] | None:
+    """(rank, pid, seq) of staging slot ``name``, or None if ``name`` is not one."""
     m = _SLOT_RE.fullmatch(name)
-    return int(m.group(2)) if m else None
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None
+
+
+def name_pid(name: str) -> int | None:
+    """The pid in a staging slot's or a new checkpoint directory's name (``.new-<pid>-<id>``)."""
+    slot = parse_slot(name)
+    if slot is not None:
+        return slot[1]
+    m = _NEW_RE.fullmatch(name)
+    return int(m.group(1)) if m else None
 
 
 @dataclass(frozen=True)

@@ -45,10 +45,15 @@ class MappedFile:
     storage: torch.UntypedStorage
     host_registered: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+    address: int = 0  # where the file is mapped; set from the storage at creation
 
-    @property
-    def address(self) -> int:
-        return self.storage.data_ptr()
+    def __post_init__(self) -> None:
+        self.address = self.storage.data_ptr()
+
+    def intact(self) -> bool:
+        """False if torch moved the storage's data elsewhere (pickling a storage with the 'file_system'
+        sharing strategy does that), so writes through it would no longer reach the file."""
+        return self.storage.data_ptr() == self.address
 
     @property
     def path(self) -> str:
@@ -127,7 +132,7 @@ class _MappingCache:
         key = (st.st_dev, st.st_ino)
         with self._lock:
             cached = self._by_key.get(key)
-            if cached is not None and cached.size == st.st_size:
+            if cached is not None and cached.size == st.st_size and cached.intact():
                 os.close(fd)
                 return cached
             if cached is not None:
@@ -172,7 +177,7 @@ class _MappingCache:
             return None
         mf = MappedFile(key=(st.st_dev, st.st_ino), fd=os.dup(fd), size=size, storage=storage)
         with self._lock:
-            self._by_key.setdefault(mf.key, mf)
+            self._by_key.setdefault(mf.key, mf)  # an own mapping of the same file stays the one reused
             self._by_address[mf.address] = mf
         return mf
 
@@ -183,18 +188,16 @@ class _MappingCache:
     def prune(self) -> None:
         """Drop mappings of files that no longer exist anywhere, so their memory can be freed."""
         with self._lock:
-            dead = [mf for mf in self._by_key.values() if not mf.exists()]
-            for mf in dead:
-                self._forget(mf)
-
-    def forget(self, mf: MappedFile) -> None:
-        """Drop ``mf`` from the cache (its memory is freed once no tensor views it)."""
-        with self._lock:
-            self._forget(mf)
+            every = {id(mf): mf for mf in [*self._by_key.values(), *self._by_address.values()]}
+            for mf in every.values():
+                if not mf.exists() or not mf.intact():
+                    self._forget(mf)
 
     def _forget(self, mf: MappedFile) -> None:
-        self._by_key.pop(mf.key, None)
-        self._by_address.pop(mf.address, None)
+        if self._by_key.get(mf.key) is mf:
+            del self._by_key[mf.key]
+        if self._by_address.get(mf.address) is mf:
+            del self._by_address[mf.address]
         mf.unpin()
         os.close(mf.fd)
 

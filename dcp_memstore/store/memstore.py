@@ -23,12 +23,21 @@ ENV_ROOT = "DCP_MEMSTORE_ROOT"
 ENV_JOB_ID = "DCP_MEMSTORE_JOB_ID"
 
 
-def _default_job_id() -> str:
-    for var in (ENV_JOB_ID, "TORCHELASTIC_RUN_ID"):
-        value = os.environ.get(var)
-        if value and value != "none":
-            return value
-    return "default"
+def resolve_root(root: str | os.PathLike | None) -> Path:
+    """``root``, else ``$DCP_MEMSTORE_ROOT``, else /dev/shm/dcp_memstore."""
+    return Path(root if root is not None else os.environ.get(ENV_ROOT, DEFAULT_ROOT)).expanduser()
+
+
+def resolve_job_id(job_id: str | None) -> str:
+    """``job_id``, else ``$DCP_MEMSTORE_JOB_ID``, else torchrun's run id, else "default" (validated)."""
+    if job_id is None:
+        job_id = "default"
+        for var in (ENV_JOB_ID, "TORCHELASTIC_RUN_ID"):
+            value = os.environ.get(var)
+            if value and value != "none":
+                job_id = value
+                break
+    return validate_name(job_id, "job id")
 
 
 def _default_io_threads() -> int:
@@ -79,8 +88,8 @@ class MemStore:
         if not stage_timeout_s > 0:
             raise ValueError(f"stage_timeout_s must be > 0, got {stage_timeout_s!r}")
         self.stage_timeout_s = float(stage_timeout_s)
-        root = Path(root if root is not None else os.environ.get(ENV_ROOT, DEFAULT_ROOT)).expanduser()
-        self.job_id = validate_name(job_id if job_id is not None else _default_job_id(), "job id")
+        root = resolve_root(root)
+        self.job_id = resolve_job_id(job_id)
         if root.exists() and not root.is_dir():
             raise NotADirectoryError(
                 f"MemStore root {root} exists and is not a directory; pass a directory on tmpfs"
@@ -116,7 +125,7 @@ class MemStore:
         """
         self._check_open()
         mine = [[r.checkpoint_id, r.seq] for r in catalog.committed(self.layout)]
-        views = all_gather_records(mine, process_group) if dist_active(process_group) else [mine]
+        views = all_gather_records(mine, process_group) if dist_active() else [mine]
         common = set.intersection(*({cid for cid, _ in v} for v in views))
         newest = [(seq, cid) for cid, seq in mine if cid in common]
         return max(newest)[1] if newest else None

@@ -34,13 +34,46 @@ def is_memory_backed(path: Path) -> bool:
     return filesystem_type(path) in MEMORY_FILESYSTEMS
 
 
+def cgroup_headroom() -> int | None:
+    """Bytes this process's cgroup may still charge before its memory limit, or None if unlimited.
+
+    tmpfs pages are charged to the cgroup that touches them first, so in a container the limit, not the
+    machine's free memory, decides whether a checkpoint fits (beyond it the OOM killer, not an error).
+    Reads cgroup v2 (memory.max) or v1 (memory.limit_in_bytes)."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = [line.strip().split(":", 2) for line in f]
+    except OSError:
+        return None
+    candidates = []
+    for _, controllers, rel in lines:
+        if controllers == "":
+            candidates.append((Path("/sys/fs/cgroup") / rel.lstrip("/"), "memory.max", "memory.current"))
+        elif "memory" in controllers.split(","):
+            base = Path("/sys/fs/cgroup/memory") / rel.lstrip("/")
+            candidates.append((base, "memory.limit_in_bytes", "memory.usage_in_bytes"))
+    for base, limit_file, usage_file in candidates:
+        try:
+            limit = (base / limit_file).read_text().strip()
+            usage = int((base / usage_file).read_text())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or int(limit) >= 1 << 60:  # v1 writes "no limit" as a huge number
+            return None
+        return max(0, int(limit) - usage)
+    return None
+
+
 def free_bytes(path: Path) -> int:
     """Bytes a new file under ``path`` can still take: the file system's free space, and for a memory
-    file system also no more than the machine's available memory."""
+    file system also no more than the machine's available memory and the cgroup's headroom."""
     st = os.statvfs(path)
     free = st.f_bavail * st.f_frsize
     if is_memory_backed(path):
         free = min(free, psutil.virtual_memory().available)
+        headroom = cgroup_headroom()
+        if headroom is not None:
+            free = min(free, headroom)
     return free
 
 

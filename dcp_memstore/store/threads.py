@@ -8,12 +8,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 T = TypeVar("T")
-_pools: dict[int, ThreadPoolExecutor] = {}
+_pools: dict[tuple[str, int], ThreadPoolExecutor] = {}
 _lock = threading.Lock()
 
 
-def run_parallel(fn: Callable[[Any], T], items: Iterable[Any], threads: int) -> list[T]:
-    """``[fn(x) for x in items]`` on up to ``threads`` threads (inline for one item or one thread)."""
+def run_parallel(fn: Callable[[Any], T], items: Iterable[Any], threads: int, pool: str = "io") -> list[T]:
+    """``[fn(x) for x in items]`` on up to ``threads`` threads (inline for one item or one thread).
+
+    ``pool`` names the thread pool: staging (which stalls training) has its own, so it never queues behind
+    a background save's work."""
     items = list(items)
     threads = min(threads, len(items))
     if threads <= 1:

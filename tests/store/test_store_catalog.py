@@ -129,14 +129,6 @@ def test_evict_keeps_newest_n_and_pools_their_shard_files(layout):
     assert catalog.evict(layout, keep=2) == []
 
 
-def test_evict_never_takes_a_protected_checkpoint(layout):
-    for i in range(4):
-        _save(layout, f"s{i}")
-    victims = catalog.evict(layout, keep=1, protected=frozenset({"s0"}))
-    assert victims == ["s1", "s2"]
-    assert _committed_ids(layout) == ["s0", "s3"]
-
-
 def test_clear_abandoned_removes_dead_owners_leftovers_and_keeps_live_ones(layout, dead_owner, live_owner):
     _save(layout, "done")
     dead = _uncommitted(layout, "dead-save", dead_owner)
