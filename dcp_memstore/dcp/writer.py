@@ -98,6 +98,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         """The receiving process takes over the saves staged so far and runs them in the order it gets them,
         so this waits until every earlier staged save of the job has been written there."""
         if get_sharing_strategy() != "file_descriptor":
+            _abandon_pending(self.store.layout, self._pending)  # these saves will never run
             raise RuntimeError(
                 "dcp_memstore's staged tensors reach DCP's checkpoint process as file descriptors; "
                 f"torch.multiprocessing's sharing strategy is {get_sharing_strategy()!r}. Call "

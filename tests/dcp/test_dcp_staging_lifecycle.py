@@ -1,0 +1,77 @@
+"""Staged saves that are misused or never run: clear errors, and later saves are never held up by them."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_memstore import MemoryStorageReader, MemoryStorageWriter, MemStore
+
+
+def _state(v: float) -> dict:
+    return {"w": torch.full((1000,), v), "b": torch.arange(100.0) * v}
+
+
+def _staging(store: MemStore) -> list[str]:
+    return os.listdir(store.layout.staging_dir)
+
+
+def _load(store: MemStore, cid: str) -> dict:
+    out = {"w": torch.zeros(1000), "b": torch.zeros(100)}
+    dcp.load(out, checkpoint_id=cid, storage_reader=MemoryStorageReader(store), no_dist=True)
+    return out
+
+
+def test_second_stage_on_a_writer_whose_first_save_has_not_started_is_refused(store):
+    store.max_in_flight, store.stage_timeout_s = (
+        2,
+        5.0,
+    )  # two saves may overlap, so the writer must tell them apart
+    writer = MemoryStorageWriter(store)
+    writer.stage(_state(1.0))  # staged, but no save has run it yet
+    with pytest.raises(ValueError, match="its own MemoryStorageWriter"):
+        writer.stage(_state(2.0))
+    assert len(_staging(store)) == 1  # the refused stage left nothing behind
+
+
+def test_a_staged_save_that_never_runs_does_not_block_later_saves(store):
+    store.stage_timeout_s = 5.0
+    writer = MemoryStorageWriter(store)
+    writer.stage(_state(1.0))  # e.g. async_save failed after staging: the writer is dropped
+    del writer
+    gc.collect()
+    assert _staging(store) == []  # its slot went back to the pool
+    dcp.async_save(
+        _state(2.0), checkpoint_id="a", storage_writer=MemoryStorageWriter(store), no_dist=True
+    ).result(timeout=30)
+    dcp.save(_state(3.0), checkpoint_id="b", storage_writer=MemoryStorageWriter(store), no_dist=True)
+    assert torch.equal(_load(store, "a")["w"], torch.full((1000,), 2.0))
+    assert torch.equal(_load(store, "b")["w"], torch.full((1000,), 3.0))
+
+
+def test_one_writer_reused_for_sequential_async_saves(store):
+    writer = MemoryStorageWriter(store)
+    for i in range(4):
+        dcp.async_save(_state(float(i)), checkpoint_id=f"s{i}", storage_writer=writer, no_dist=True).result()
+    assert store.list_checkpoints() == ["s2", "s3"]
+    assert torch.equal(_load(store, "s3")["b"], torch.arange(100.0) * 3)
+    assert _staging(store) == []
+
+
+@pytest.mark.parametrize("lazy", ["conj", "neg"])
+@pytest.mark.parametrize("mode", ["save", "async_save"])
+def test_conjugate_and_negative_views_are_stored_by_value(store, lazy, mode):
+    base = torch.complex(torch.arange(8.0), torch.arange(8.0) + 100)
+    t = base.conj() if lazy == "conj" else torch._neg_view(base)
+    expected = t.resolve_conj().resolve_neg().clone()
+    save = getattr(dcp, mode)
+    result = save({"z": t}, checkpoint_id="z", storage_writer=MemoryStorageWriter(store), no_dist=True)
+    if mode == "async_save":
+        result.result()
+    out = {"z": torch.zeros(8, dtype=torch.complex64)}
+    dcp.load(out, checkpoint_id="z", storage_reader=MemoryStorageReader(store), no_dist=True)
+    assert torch.equal(out["z"], expected)
