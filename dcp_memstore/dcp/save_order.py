@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dcp_memstore.errors import StagingTimeoutError
@@ -107,21 +108,27 @@ class SaveOrder:
                 t.remote = True
 
     @staticmethod
-    def _wait(blocking, timeout_s: float, what: str) -> None:
-        deadline = time.monotonic() + timeout_s
-        delay = 0.0005
-        while waiting := blocking():
-            if time.monotonic() > deadline:
-                never = [t for t in waiting if t.thread is None and not t.remote]
-                hint = (
-                    f"{len(never)} of them were staged but never started (did that dcp.async_save fail?); "
-                    if never
-                    else ""
-                )
-                raise StagingTimeoutError(
-                    f"a checkpoint save waited {timeout_s:.0f}s for {len(waiting)} earlier save(s) of this job "
-                    f"{what}; {hint}wait on the futures dcp.async_save returns, or raise "
-                    "MemStore(stage_timeout_s=...)"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, 0.02)
+    def _wait(blocking: Callable[[], list[Ticket]], timeout_s: float, what: str) -> None:
+        waiting = wait_while(blocking, timeout_s)
+        if waiting:
+            never = [t for t in waiting if t.thread is None and not t.remote]
+            hint = (
+                f"{len(never)} of them were staged but never started (did that dcp.async_save fail?); "
+                if never
+                else ""
+            )
+            raise StagingTimeoutError(
+                f"a checkpoint save waited {timeout_s:.0f}s for {len(waiting)} earlier save(s) of this job "
+                f"{what}; {hint}wait on the futures dcp.async_save returns, or raise MemStore(stage_timeout_s=...)"
+            )
+
+
+def wait_while(blocking: Callable[[], list[Ticket]], timeout_s: float) -> list[Ticket]:
+    """Poll ``blocking()`` (with a short, growing sleep) until it returns nothing or ``timeout_s`` passes;
+    return what still blocks (empty on success)."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.0005
+    while (waiting := blocking()) and time.monotonic() < deadline:
+        time.sleep(delay)
+        delay = min(delay * 2, 0.02)
+    return waiting

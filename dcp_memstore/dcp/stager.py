@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 import torch
 
 from dcp_memstore.dcp import state_tree
-from dcp_memstore.dcp.save_order import SaveOrder, Ticket
+from dcp_memstore.dcp.save_order import SaveOrder, Ticket, wait_while
 from dcp_memstore.errors import StagingTimeoutError
 from dcp_memstore.store.catalog import claim_owner, recycle
 from dcp_memstore.store.device_copy import DeviceToHost
@@ -138,20 +137,16 @@ class Stager:
 
     def _wait_for_room(self) -> None:
         """Block until fewer than max_in_flight of this job's slots (this process) are still being written."""
-        deadline = time.monotonic() + self.store.stage_timeout_s
-        delay = 0.0005
-        while True:
-            active = self._active_slots()
-            if len(active) < self.store.max_in_flight:
-                return
-            if time.monotonic() > deadline:
-                raise StagingTimeoutError(
-                    f"async save waited {self.store.stage_timeout_s:.0f}s for earlier saves to finish writing "
-                    f"(still in flight: {[Path(t.slot).name for t in active]}); check the futures of earlier "
-                    "dcp.async_save calls for an error, or raise MemStore(stage_timeout_s=...)"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, 0.02)
+        limit = self.store.max_in_flight
+        active = wait_while(
+            lambda: a if len(a := self._active_slots()) >= limit else [], self.store.stage_timeout_s
+        )
+        if active:
+            raise StagingTimeoutError(
+                f"async save waited {self.store.stage_timeout_s:.0f}s for earlier saves to finish writing "
+                f"(still in flight: {[Path(t.slot).name for t in active]}); check the futures of earlier "
+                "dcp.async_save calls for an error, or raise MemStore(stage_timeout_s=...)"
+            )
 
     def _active_slots(self) -> list[Ticket]:
         active = []
