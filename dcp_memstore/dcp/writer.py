@@ -1,16 +1,14 @@
 """``MemoryStorageWriter``: DCP's StorageWriter (and AsyncStager) over a ``MemStore``.
 
-Save path, per rank: tensors already staged into shard files (``dcp.async_save``) are only checksummed and
-their files renamed into the checkpoint; anything else (``dcp.save``, values DCP serialises) is copied into
-freshly sized shard files by ``io_threads`` threads, one file each. The coordinator then writes the
-manifest (item locations, checksums, DCP metadata, all msgpack) and the COMMITTED marker, and evicts
-checkpoints beyond ``keep_in_memory``.
+It drives one save through the commit protocol: it stages (``dcp.async_save``), orders background saves,
+checks ids and space while planning, has each rank write its files (``rank_write.py``), and on the
+coordinator writes the manifest (item locations, checksums, DCP metadata, all msgpack) and the COMMITTED
+marker, then evicts checkpoints beyond ``keep_in_memory``. A failed step gives its staging slot back.
 """
 
 from __future__ import annotations
 
 import functools
-import io
 import os
 import time
 import uuid
@@ -20,36 +18,27 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 from torch.multiprocessing import get_sharing_strategy
 
-from dcp_memstore.dcp.metadata_codec import dtype_name, encode_metadata
+from dcp_memstore.dcp.metadata_codec import encode_metadata
+from dcp_memstore.dcp.rank_write import RankWrite
 from dcp_memstore.dcp.save_order import SaveOrder
 from dcp_memstore.dcp.stager import Stager, current_rank
 from dcp_memstore.errors import CheckpointExistsError
 from dcp_memstore.store import catalog
-from dcp_memstore.store.checksum import (
-    checksum_bytes,
-    checksum_memory,
-    copy_with_checksum,
-    write_with_checksum,
-)
 from dcp_memstore.store.faults import crash_point
 from dcp_memstore.store.ids import validate_name
-from dcp_memstore.store.layout import MANIFEST, StoreLayout, objects_name, parse_slot, shard_name
-from dcp_memstore.store.manifest import Manifest, ManifestItem, ShardLocation
-from dcp_memstore.store.mapping import MAPPINGS, MappedFile
+from dcp_memstore.store.layout import MANIFEST, StoreLayout, parse_slot
+from dcp_memstore.store.manifest import Manifest, ManifestItem
+from dcp_memstore.store.mapping import MAPPINGS
 from dcp_memstore.store.memstore import MemStore
-from dcp_memstore.store.packing import ITEM_ALIGN, pack
 from dcp_memstore.store.pool import FilePool
-from dcp_memstore.store.records import write_atomic
 from dcp_memstore.store.space import check_space
-from dcp_memstore.store.threads import run_parallel
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -214,7 +203,8 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
     @_releases_slot_on_error
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         MAPPINGS.prune()
-        results = _RankWrite(self, plan, planner).run()
+        slot = self._current[1] if self._current else None
+        results = RankWrite(self.store, self.rank, self.checkpoint_id, slot, plan, planner).run()
         self._current = None
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
@@ -271,130 +261,3 @@ def _recycle_unwritten_before(layout: StoreLayout, slot: Path) -> None:
         other = parse_slot(entry.name)
         if other is not None and other[:2] == (rank, pid) and other[2] < seq:
             catalog.recycle(layout, Path(entry.path))
-
-
-class _RankWrite:
-    """One rank's ``write_data``: place, copy, checksum, and name this rank's files of the checkpoint."""
-
-    def __init__(self, writer: MemoryStorageWriter, plan: SavePlan, planner: SavePlanner) -> None:
-        self.store = writer.store
-        self.rank = writer.rank
-        self.dir = self.store.layout.checkpoint_dir(writer.checkpoint_id)
-        self.slot = writer._current[1] if writer._current else None
-        self.plan, self.planner = plan, planner
-        self.results: list[WriteResult] = []
-        self.slot_files: dict[tuple[int, int], str] = {}  # identity -> path of this save's staged files
-        if self.slot is not None:
-            for e in os.scandir(self.slot):
-                st = e.stat()
-                self.slot_files[(st.st_dev, st.st_ino)] = e.path
-
-    def run(self) -> list[WriteResult]:
-        staged: dict[int, tuple[MappedFile, list[tuple[WriteItem, int, torch.Tensor]]]] = {}
-        to_copy: list[tuple[WriteItem, torch.Tensor]] = []
-        objects: list[tuple[WriteItem, memoryview]] = []
-        for item in self.plan.items:
-            data = self.planner.resolve_data(item)
-            if item.type == WriteItemType.BYTE_IO:
-                buf = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
-                objects.append((item, buf))
-                continue
-            t = data.detach().resolve_conj().resolve_neg()  # raw bytes must hold the values, not lazy bits
-            mf = MAPPINGS.find(t)
-            mf = mf if mf is not None and mf.key in self.slot_files else None
-            off = mf.contains(t) if mf is not None else None
-            if off is not None:
-                staged.setdefault(id(mf), (mf, []))[1].append((item, off, t))
-            else:
-                to_copy.append((item, t))
-
-        names: dict[int, str] = {}
-        next_index = 0
-        for key in staged:
-            names[key] = shard_name(self.rank, next_index)
-            next_index += 1
-        # Checked again here because with plan caching DCP hands prepare_local_plan an empty plan.
-        needed = sum(t.numel() * t.element_size() for _, t in to_copy) + sum(len(b) for _, b in objects)
-        check_space(self.store.layout.root, needed, FilePool(self.store.layout, self.rank).reusable_bytes())
-        copy_files = self._place_copies(to_copy, next_index)
-
-        jobs = [
-            functools.partial(self._checksum_staged, names[k], entries) for k, (_, entries) in staged.items()
-        ]
-        jobs += [functools.partial(self._copy_into, f) for f in copy_files]
-        for part in run_parallel(lambda job: job(), jobs, self.store.io_threads):
-            self.results.extend(part)
-        self._write_objects(objects)
-        crash_point("write-data", self.rank)
-        for key, (mf, _) in staged.items():
-            os.rename(self.slot_files[mf.key], self.dir / names[key])
-        if self.slot is not None:
-            catalog.recycle(self.store.layout, Path(self.slot))  # files this rank's plan did not need
-        return self.results
-
-    def _checksum_staged(
-        self, name: str, entries: list[tuple[WriteItem, int, torch.Tensor]]
-    ) -> list[WriteResult]:
-        out = []
-        for item, off, t in entries:
-            n = t.numel() * t.element_size()
-            loc = ShardLocation(
-                name, off, n, checksum_memory(t.data_ptr(), n), dtype_name(t.dtype), tuple(t.shape)
-            )
-            out.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=loc))
-        return out
-
-    def _place_copies(self, to_copy: list[tuple[WriteItem, torch.Tensor]], first_index: int) -> list:
-        """Split the tensors to copy into ``io_threads`` files: (name, size, [(item, offset, tensor)])."""
-        if not to_copy:
-            return []
-        sizes = [t.numel() * t.element_size() for _, t in to_copy]
-        placements, file_sizes = pack(sizes, self.store.io_threads)
-        return [
-            (
-                shard_name(self.rank, first_index + b),
-                size,
-                [(item, p.offset, t) for (item, t), p in zip(to_copy, placements, strict=True) if p.bin == b],
-            )
-            for b, size in enumerate(file_sizes)
-        ]
-
-    def _copy_into(self, spec: tuple[str, int, list]) -> list[WriteResult]:
-        """One I/O thread's file: claim it (from the pool if possible), copy its tensors, checksum them.
-
-        A reused file is written through its mapping (mapped once per process, then cached: steady-state
-        saves are plain memcpy); a new file is written with pwrite, which spares mapping and faulting in
-        pages of a file that may never be reused here. GPU tensors always go through the (pinned) mapping."""
-        name, size, entries = spec
-        fd, reused = FilePool(self.store.layout, self.rank).claim(self.dir / name, size)
-        on_gpu = any(t.device.type == "cuda" for _, _, t in entries)
-        mf = MAPPINGS.map_fd(fd, populate_write=True) if reused or on_gpu else None
-        if on_gpu:
-            mf.pin_for_cuda()
-        out = []
-        try:
-            for item, off, t in entries:
-                if mf is not None:
-                    crc = copy_with_checksum(mf.tensor(off, t.dtype, t.shape), t)
-                else:
-                    crc = write_with_checksum(fd, off, t.contiguous())
-                n = t.numel() * t.element_size()
-                loc = ShardLocation(name, off, n, crc, dtype_name(t.dtype), tuple(t.shape))
-                out.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=loc))
-        finally:
-            if mf is None:
-                os.close(fd)
-        return out
-
-    def _write_objects(self, objects: list[tuple[WriteItem, memoryview]]) -> None:
-        if not objects:
-            return
-        name = objects_name(self.rank)
-        blob = bytearray()
-        for item, buf in objects:
-            off = len(blob)
-            blob += buf
-            blob += b"\0" * (-len(blob) % ITEM_ALIGN)
-            loc = ShardLocation(name, off, len(buf), checksum_bytes(buf))
-            self.results.append(WriteResult(index=item.index, size_in_bytes=len(buf), storage_data=loc))
-        write_atomic(self.dir / name, bytes(blob))

@@ -1,0 +1,171 @@
+"""One rank's ``write_data``: place this rank's items into shard files, copy and checksum them.
+
+Items that are views of this save's staging slot (``dcp.async_save``) are only checksummed, and their
+files renamed into the checkpoint. Everything else is copied by ``io_threads`` threads, one shard file
+each; DCP's serialised values go to one objects file.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import os
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from dcp_memstore.dcp.metadata_codec import dtype_name
+from dcp_memstore.store import catalog
+from dcp_memstore.store.checksum import (
+    checksum_bytes,
+    checksum_memory,
+    copy_with_checksum,
+    write_with_checksum,
+)
+from dcp_memstore.store.faults import crash_point
+from dcp_memstore.store.layout import objects_name, shard_name
+from dcp_memstore.store.manifest import ShardLocation
+from dcp_memstore.store.mapping import MAPPINGS, MappedFile
+from dcp_memstore.store.memstore import MemStore
+from dcp_memstore.store.packing import ITEM_ALIGN, pack
+from dcp_memstore.store.pool import FilePool
+from dcp_memstore.store.records import write_atomic
+from dcp_memstore.store.space import check_space
+from dcp_memstore.store.threads import run_parallel
+
+
+class RankWrite:
+    """One rank's ``write_data``: place, copy, checksum, and name this rank's files of the checkpoint."""
+
+    def __init__(
+        self,
+        store: MemStore,
+        rank: int,
+        checkpoint_id: str,
+        slot: str | None,
+        plan: SavePlan,
+        planner: SavePlanner,
+    ) -> None:
+        self.store = store
+        self.rank = rank
+        self.dir = store.layout.checkpoint_dir(checkpoint_id)
+        self.slot = slot
+        self.plan, self.planner = plan, planner
+        self.results: list[WriteResult] = []
+        self.slot_files: dict[tuple[int, int], str] = {}  # identity -> path of this save's staged files
+        if self.slot is not None:
+            for e in os.scandir(self.slot):
+                st = e.stat()
+                self.slot_files[(st.st_dev, st.st_ino)] = e.path
+
+    def run(self) -> list[WriteResult]:
+        staged: dict[int, tuple[MappedFile, list[tuple[WriteItem, int, torch.Tensor]]]] = {}
+        to_copy: list[tuple[WriteItem, torch.Tensor]] = []
+        objects: list[tuple[WriteItem, memoryview]] = []
+        for item in self.plan.items:
+            data = self.planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                buf = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
+                objects.append((item, buf))
+                continue
+            t = data.detach().resolve_conj().resolve_neg()  # raw bytes must hold the values, not lazy bits
+            mf = MAPPINGS.find(t)
+            mf = mf if mf is not None and mf.key in self.slot_files else None
+            off = mf.contains(t) if mf is not None else None
+            if off is not None:
+                staged.setdefault(id(mf), (mf, []))[1].append((item, off, t))
+            else:
+                to_copy.append((item, t))
+
+        names: dict[int, str] = {}
+        next_index = 0
+        for key in staged:
+            names[key] = shard_name(self.rank, next_index)
+            next_index += 1
+        # Checked again here because with plan caching DCP hands prepare_local_plan an empty plan.
+        needed = sum(t.numel() * t.element_size() for _, t in to_copy) + sum(len(b) for _, b in objects)
+        check_space(self.store.layout.root, needed, FilePool(self.store.layout, self.rank).reusable_bytes())
+        copy_files = self._place_copies(to_copy, next_index)
+
+        jobs = [
+            functools.partial(self._checksum_staged, names[k], entries) for k, (_, entries) in staged.items()
+        ]
+        jobs += [functools.partial(self._copy_into, f) for f in copy_files]
+        for part in run_parallel(lambda job: job(), jobs, self.store.io_threads):
+            self.results.extend(part)
+        self._write_objects(objects)
+        crash_point("write-data", self.rank)
+        for key, (mf, _) in staged.items():
+            os.rename(self.slot_files[mf.key], self.dir / names[key])
+        if self.slot is not None:
+            catalog.recycle(self.store.layout, Path(self.slot))  # files this rank's plan did not need
+        return self.results
+
+    def _checksum_staged(
+        self, name: str, entries: list[tuple[WriteItem, int, torch.Tensor]]
+    ) -> list[WriteResult]:
+        out = []
+        for item, off, t in entries:
+            n = t.numel() * t.element_size()
+            loc = ShardLocation(
+                name, off, n, checksum_memory(t.data_ptr(), n), dtype_name(t.dtype), tuple(t.shape)
+            )
+            out.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=loc))
+        return out
+
+    def _place_copies(self, to_copy: list[tuple[WriteItem, torch.Tensor]], first_index: int) -> list:
+        """Split the tensors to copy into ``io_threads`` files: (name, size, [(item, offset, tensor)])."""
+        if not to_copy:
+            return []
+        sizes = [t.numel() * t.element_size() for _, t in to_copy]
+        placements, file_sizes = pack(sizes, self.store.io_threads)
+        return [
+            (
+                shard_name(self.rank, first_index + b),
+                size,
+                [(item, p.offset, t) for (item, t), p in zip(to_copy, placements, strict=True) if p.bin == b],
+            )
+            for b, size in enumerate(file_sizes)
+        ]
+
+    def _copy_into(self, spec: tuple[str, int, list]) -> list[WriteResult]:
+        """One I/O thread's file: claim it (from the pool if possible), copy its tensors, checksum them.
+
+        A reused file is written through its mapping (mapped once per process, then cached: steady-state
+        saves are plain memcpy); a new file is written with pwrite, which spares mapping and faulting in
+        pages of a file that may never be reused here. GPU tensors always go through the (pinned) mapping."""
+        name, size, entries = spec
+        fd, reused = FilePool(self.store.layout, self.rank).claim(self.dir / name, size)
+        on_gpu = any(t.device.type == "cuda" for _, _, t in entries)
+        mf = MAPPINGS.map_fd(fd, populate_write=True) if reused or on_gpu else None
+        if on_gpu:
+            mf.pin_for_cuda()
+        out = []
+        try:
+            for item, off, t in entries:
+                if mf is not None:
+                    crc = copy_with_checksum(mf.tensor(off, t.dtype, t.shape), t)
+                else:
+                    crc = write_with_checksum(fd, off, t.contiguous())
+                n = t.numel() * t.element_size()
+                loc = ShardLocation(name, off, n, crc, dtype_name(t.dtype), tuple(t.shape))
+                out.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=loc))
+        finally:
+            if mf is None:
+                os.close(fd)
+        return out
+
+    def _write_objects(self, objects: list[tuple[WriteItem, memoryview]]) -> None:
+        if not objects:
+            return
+        name = objects_name(self.rank)
+        blob = bytearray()
+        for item, buf in objects:
+            off = len(blob)
+            blob += buf
+            blob += b"\0" * (-len(blob) % ITEM_ALIGN)
+            loc = ShardLocation(name, off, len(buf), checksum_bytes(buf))
+            self.results.append(WriteResult(index=item.index, size_in_bytes=len(buf), storage_data=loc))
+        write_atomic(self.dir / name, bytes(blob))
