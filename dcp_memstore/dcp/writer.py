@@ -112,9 +112,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Copy ``state_dict``'s tensors into tmpfs shard files; training may go on once this returns."""
         staged, ticket = Stager.of(self.store).stage(state_dict)
-        if (
-            self._pending
-        ):  # an earlier save staged by this writer has not started: we could not tell them apart
+        if self._pending:  # an earlier save staged here has not started: the two could not be told apart
             _abandon_pending(self.store.layout, deque([(ticket.seq, ticket.slot)]))
             raise ValueError(
                 "this MemoryStorageWriter already has a staged save that has not started; give each "
