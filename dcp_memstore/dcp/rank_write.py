@@ -146,11 +146,11 @@ class RankWrite:
         try:
             for item, off, t in entries:
                 if mf is not None:
-                    crc = copy_with_checksum(mf.tensor(off, t.dtype, t.shape), t)
+                    digest = copy_with_checksum(mf.tensor(off, t.dtype, t.shape), t)
                 else:
-                    crc = write_with_checksum(fd, off, t.contiguous())
+                    digest = write_with_checksum(fd, off, t.contiguous())
                 n = t.numel() * t.element_size()
-                loc = ShardLocation(name, off, n, crc, dtype_name(t.dtype), tuple(t.shape))
+                loc = ShardLocation(name, off, n, digest, dtype_name(t.dtype), tuple(t.shape))
                 out.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=loc))
         finally:
             if mf is None:

@@ -61,7 +61,7 @@ class MemStore:
         keep_in_memory: committed checkpoints kept; older ones are evicted at each commit. Default 2.
         max_in_flight: async saves staged but not yet written; the next ``stage`` waits. Default 1.
         io_threads: writer/reader threads per rank, and so shard files per rank. Default: cores per local rank, at most 4.
-        verify_checksums: verify every item's CRC32C when loading. Default True.
+        verify_checksums: verify every item's xxh3-64 checksum when loading. Default True.
         stage_timeout_s: how long an async save waits for an earlier one before raising. Default 600.
 
     The store object holds no open resources of its own and is picklable (DCP's PROCESS executor sends it
