@@ -3,9 +3,9 @@
 DCP's THREAD executor runs each ``async_save`` in its own thread. Two saves running at once would issue
 their collectives on the same process group in an order that can differ between ranks, which hangs or
 mixes them up. Each staged save gets a ticket in staging order; its background work starts (``begin``)
-only when every earlier ticket's thread has ended. A ticket sent to another process (DCP's PROCESS
-executor pickles the writer) is that process's to order: its own saves there run one after another; here
-it only has to be sent after the earlier ones (``wait_sent_in_order``).
+only when every earlier ticket's thread has ended. With DCP's PROCESS executor the ticket is bound to the
+executor thread that sends the save to DCP's checkpoint process (``bind``): that thread ends once the
+checkpoint process has answered, and saves are sent in staging order (``wait_sent_in_order``).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,15 +24,11 @@ from dcp_memstore.errors import StagingTimeoutError
 class Ticket:
     seq: int
     slot: str | None = None  # the staging slot this save's data is in
-    thread: threading.Thread | None = None
-    remote: bool = False
+    thread: threading.Thread | None = None  # the thread running (or sending) the save, once it started
 
     def finished(self) -> bool:
         """True once this save can no longer issue collectives in this process."""
-        return self.remote or (self.thread is not None and not self.thread.is_alive())
-
-    def running(self, me: threading.Thread) -> bool:
-        return self.thread is not None and self.thread is not me and self.thread.is_alive()
+        return self.thread is not None and not self.thread.is_alive()
 
     def slot_left(self) -> bool:
         """Whether the ticket's staging slot is still on disk (not yet written into a checkpoint)."""
@@ -49,10 +46,19 @@ class SaveOrder:
         with cls._books_lock:
             return cls._books.setdefault(job, cls())
 
+    @classmethod
+    def abandon_later(cls, job: str, seq: int, slot: str | None) -> None:
+        """Note that ticket ``seq`` will never run. Takes no lock, so a garbage-collection finalizer may call
+        it at any moment; the book forgets the ticket at its next use and hands out its slot to recycle."""
+        book = cls._books.get(job)
+        if book is not None:
+            book._abandoned.append((seq, slot))
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._next = 0
         self._tickets: dict[int, Ticket] = {}
+        self._abandoned: deque[tuple[int, str | None]] = deque()
 
     def issue(self) -> Ticket:
         with self._lock:
@@ -68,29 +74,46 @@ class SaveOrder:
                 del self._tickets[t.seq]
             return list(self._tickets.values())
 
+    def take_abandoned(self) -> list[str]:
+        """Forget the tickets noted by ``abandon_later`` (never started); return their slots to recycle."""
+        slots = []
+        with self._lock:
+            while self._abandoned:
+                seq, slot = self._abandoned.popleft()
+                t = self._tickets.get(seq)
+                if t is not None and t.thread is None:
+                    del self._tickets[seq]
+                    if slot is not None:
+                        slots.append(slot)
+        return slots
+
+    def bind(self, seq: int | None) -> None:
+        """Bind ticket ``seq`` to the calling thread: the save runs (or is sent) there."""
+        with self._lock:
+            t = self._tickets.get(seq) if seq is not None else None
+            if t is not None:
+                t.thread = threading.current_thread()
+
     def begin(self, seq: int | None, timeout_s: float) -> None:
         """Bind ticket ``seq`` to this thread and wait until every earlier save has ended here.
 
-        ``seq=None`` is a synchronous ``dcp.save``: it waits for the async saves already running."""
+        ``seq=None`` is a synchronous ``dcp.save``: it waits for every async save staged before it."""
         me = threading.current_thread()
-        with self._lock:
-            mine = self._tickets.get(seq) if seq is not None else None
-            if mine is not None:
-                mine.thread = me
+        self.bind(seq)
+        limit = self._next if seq is None else seq
 
         def blocking() -> list[Ticket]:
-            if seq is None:
-                return [t for t in self.tickets() if t.running(me)]
-            return [t for t in self.tickets() if t.seq < seq and t.thread is not me and not t.finished()]
+            return [t for t in self.tickets() if t.seq < limit and t.thread is not me and not t.finished()]
 
         self._wait(blocking, timeout_s, "to finish")
 
     def wait_sent_in_order(self, seq: int, timeout_s: float) -> None:
-        """Before ticket ``seq`` goes to another process: wait until every earlier save there has written
-        its slot, so that process receives the saves in staging order."""
+        """Before ticket ``seq`` goes to DCP's checkpoint process: wait until every earlier save has been
+        answered there, so that process receives the saves in staging order."""
+        me = threading.current_thread()
 
         def blocking() -> list[Ticket]:
-            return [t for t in self.tickets() if t.seq < seq and (t.slot_left() or not t.finished())]
+            return [t for t in self.tickets() if t.seq < seq and t.thread is not me and not t.finished()]
 
         self._wait(blocking, timeout_s, "to be written")
 
@@ -101,26 +124,22 @@ class SaveOrder:
             if t is not None and t.thread is None:
                 del self._tickets[seq]
 
-    def mark_remote(self, seq: int) -> None:
-        with self._lock:
-            t = self._tickets.get(seq)
-            if t is not None:
-                t.remote = True
-
     @staticmethod
     def _wait(blocking: Callable[[], list[Ticket]], timeout_s: float, what: str) -> None:
         waiting = wait_while(blocking, timeout_s)
         if waiting:
-            never = [t for t in waiting if t.thread is None and not t.remote]
-            hint = (
-                f"{len(never)} of them were staged but never started (did that dcp.async_save fail?); "
-                if never
-                else ""
-            )
             raise StagingTimeoutError(
                 f"a checkpoint save waited {timeout_s:.0f}s for {len(waiting)} earlier save(s) of this job "
-                f"{what}; {hint}wait on the futures dcp.async_save returns, or raise MemStore(stage_timeout_s=...)"
+                f"{what}; {never_started_hint(waiting)}wait on the futures dcp.async_save returns, or raise "
+                "MemStore(stage_timeout_s=...)"
             )
+
+
+def never_started_hint(waiting: list[Ticket]) -> str:
+    never = [t for t in waiting if t.thread is None]
+    if not never:
+        return ""
+    return f"{len(never)} of them were staged but never started (did that dcp.async_save fail?); "
 
 
 def wait_while(blocking: Callable[[], list[Ticket]], timeout_s: float) -> list[Ticket]:

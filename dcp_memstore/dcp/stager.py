@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from dcp_memstore.dcp import state_tree
-from dcp_memstore.dcp.save_order import SaveOrder, Ticket, wait_while
+from dcp_memstore.dcp.save_order import SaveOrder, Ticket, never_started_hint, wait_while
 from dcp_memstore.errors import StagingTimeoutError
 from dcp_memstore.store.catalog import claim_owner, recycle
 from dcp_memstore.store.device_copy import DeviceToHost
@@ -144,16 +144,19 @@ class Stager:
         if active:
             raise StagingTimeoutError(
                 f"async save waited {self.store.stage_timeout_s:.0f}s for earlier saves to finish writing "
-                f"(still in flight: {[Path(t.slot).name for t in active]}); check the futures of earlier "
+                f"(still in flight: {[Path(t.slot).name for t in active]}); {never_started_hint(active)}check the "
+                "futures of earlier "
                 "dcp.async_save calls for an error, or raise MemStore(stage_timeout_s=...)"
             )
 
     def _active_slots(self) -> list[Ticket]:
+        for slot in self.order.take_abandoned():
+            recycle(self.store.layout, Path(slot))
         active = []
         for t in self.order.tickets():
             if not t.slot_left():
                 continue
-            if t.finished() and not t.remote:
+            if t.finished():
                 recycle(
                     self.store.layout, Path(t.slot)
                 )  # its save ended without writing it: an error elsewhere

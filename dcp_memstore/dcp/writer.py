@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import time
 import uuid
 import weakref
@@ -74,12 +75,13 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         self.checkpoint_id: str | None = None
         self.is_coordinator = False
         self.rank = 0
-        self._pending: deque = deque()  # (ticket seq, slot) of states staged by this writer, oldest first
+        # (ticket seq, slot, (pid, thread) that staged it) of saves staged by this writer, oldest first
+        self._pending: deque = deque()
         self._current: tuple[int, str | None] | None = None  # this save's (ticket seq, staging slot)
         self._armed = False  # reset() ran for the save in progress
         self._save_started = 0.0
         # A staged save that never runs (its async_save failed after staging) must not block later ones.
-        self._abandon = weakref.finalize(self, _abandon_pending, store.layout, self._pending)
+        self._abandon = weakref.finalize(self, _abandon_later, str(store.layout.job_dir), self._pending)
 
     # -- pickling (DCP's PROCESS executor sends the writer to its checkpoint process) -------------------
 
@@ -94,9 +96,9 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                 "torch.multiprocessing.set_sharing_strategy('file_descriptor') or use the THREAD executor."
             )
         order = SaveOrder.of(str(self.store.layout.job_dir))
-        for seq, _ in self._pending:
+        for seq, _, _ in self._pending:
             order.wait_sent_in_order(seq, self.store.stage_timeout_s)
-            order.mark_remote(seq)
+            order.bind(seq)  # DCP's executor thread that sends this save; it ends when the save has ended
         state = dict(self.__dict__)
         state["_pending"] = deque(self._pending)
         state.pop("_abandon", None)
@@ -105,7 +107,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._abandon = weakref.finalize(self, _abandon_pending, self.store.layout, self._pending)
+        self._abandon = weakref.finalize(self, _abandon_later, str(self.store.layout.job_dir), self._pending)
 
     # -- AsyncStager -----------------------------------------------------------------------------------
 
@@ -113,12 +115,12 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         """Copy ``state_dict``'s tensors into tmpfs shard files; training may go on once this returns."""
         staged, ticket = Stager.of(self.store).stage(state_dict)
         if self._pending:  # an earlier save staged here has not started: the two could not be told apart
-            _abandon_pending(self.store.layout, deque([(ticket.seq, ticket.slot)]))
+            _abandon_pending(self.store.layout, deque([(ticket.seq, ticket.slot, None)]))
             raise ValueError(
                 "this MemoryStorageWriter already has a staged save that has not started; give each "
                 "overlapping dcp.async_save its own MemoryStorageWriter(store), or wait for the previous future"
             )
-        self._pending.append((ticket.seq, ticket.slot))
+        self._pending.append((ticket.seq, ticket.slot, (os.getpid(), threading.get_ident())))
         return staged
 
     def synchronize_staging(self) -> None:
@@ -131,7 +133,11 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         """First step of every save DCP runs with this writer (``checkpoint_id`` given)."""
-        ticket = self._pending.popleft() if self._pending else None
+        # A save staged by this very thread is run by another one (DCP's executor); a synchronous save on
+        # the staging thread leaves it to that thread.
+        here = (os.getpid(), threading.get_ident())
+        pending = self._pending.popleft() if self._pending and self._pending[0][2] != here else None
+        ticket = pending[:2] if pending else None
         try:
             cid = None if checkpoint_id is None else validate_name(checkpoint_id)
             # Wait for earlier saves of this job in this process before touching any per-save state.
@@ -242,10 +248,17 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
 def _abandon_pending(layout: StoreLayout, pending: deque) -> None:
     """Give back the slots and tickets of staged saves that will never run."""
     while pending:
-        seq, slot = pending.popleft()
+        seq, slot, _ = pending.popleft()
         SaveOrder.of(str(layout.job_dir)).cancel(seq)
         if slot is not None:
             catalog.recycle(layout, Path(slot))
+
+
+def _abandon_later(job: str, pending: deque) -> None:
+    """Finalizer of a writer: its staged saves that never started will never run. It may run inside any
+    allocation (garbage collection), so it only leaves a note; the stager recycles at its next use."""
+    for seq, slot, _ in list(pending):
+        SaveOrder.abandon_later(job, seq, slot)
 
 
 def _recycle_unwritten_before(layout: StoreLayout, slot: Path) -> None:

@@ -39,7 +39,8 @@ def cgroup_headroom() -> int | None:
 
     tmpfs pages are charged to the cgroup that touches them first, so in a container the limit, not the
     machine's free memory, decides whether a checkpoint fits (beyond it the OOM killer, not an error).
-    Reads cgroup v2 (memory.max) or v1 (memory.limit_in_bytes)."""
+    Reads cgroup v2 (memory.max) or v1 (memory.limit_in_bytes); inactive file cache, which the kernel
+    reclaims before it fails an allocation, counts as free."""
     try:
         with open("/proc/self/cgroup") as f:
             lines = [line.strip().split(":", 2) for line in f]
@@ -48,19 +49,23 @@ def cgroup_headroom() -> int | None:
     candidates = []
     for _, controllers, rel in lines:
         if controllers == "":
-            candidates.append((Path("/sys/fs/cgroup") / rel.lstrip("/"), "memory.max", "memory.current"))
+            for base in (Path("/sys/fs/cgroup") / rel.lstrip("/"), Path("/sys/fs/cgroup")):
+                candidates.append((base, "memory.max", "memory.current", "inactive_file"))
         elif "memory" in controllers.split(","):
-            base = Path("/sys/fs/cgroup/memory") / rel.lstrip("/")
-            candidates.append((base, "memory.limit_in_bytes", "memory.usage_in_bytes"))
-    for base, limit_file, usage_file in candidates:
+            for base in (Path("/sys/fs/cgroup/memory") / rel.lstrip("/"), Path("/sys/fs/cgroup/memory")):
+                candidates.append(
+                    (base, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+                )
+    for base, limit_file, usage_file, inactive_key in candidates:
         try:
             limit = (base / limit_file).read_text().strip()
             usage = int((base / usage_file).read_text())
+            stat = dict(line.split() for line in (base / "memory.stat").read_text().splitlines())
         except (OSError, ValueError):
             continue
         if limit == "max" or int(limit) >= 1 << 60:  # v1 writes "no limit" as a huge number
             return None
-        return max(0, int(limit) - usage)
+        return max(0, int(limit) - usage + int(stat.get(inactive_key, 0)))
     return None
 
 

@@ -22,9 +22,9 @@ def run_parallel(fn: Callable[[Any], T], items: Iterable[Any], threads: int, poo
     if threads <= 1:
         return [fn(x) for x in items]
     with _lock:
-        pool = _pools.get(threads)
-        if pool is None:
-            pool = _pools[threads] = ThreadPoolExecutor(
-                threads, thread_name_prefix=f"dcp_memstore_io{threads}"
+        executor = _pools.get((pool, threads))
+        if executor is None:
+            executor = _pools[pool, threads] = ThreadPoolExecutor(
+                threads, thread_name_prefix=f"dcp_memstore_{pool}"
             )
-    return list(pool.map(fn, items))
+    return list(executor.map(fn, items))

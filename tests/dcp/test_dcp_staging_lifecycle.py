@@ -43,14 +43,14 @@ def test_a_staged_save_that_never_runs_does_not_block_later_saves(store):
     writer = MemoryStorageWriter(store)
     writer.stage(_state(1.0))  # e.g. async_save failed after staging: the writer is dropped
     del writer
-    gc.collect()
-    assert _staging(store) == []  # its slot went back to the pool
+    gc.collect()  # the writer's finalizer notes the save that will never run
     dcp.async_save(
         _state(2.0), checkpoint_id="a", storage_writer=MemoryStorageWriter(store), no_dist=True
     ).result(timeout=30)
     dcp.save(_state(3.0), checkpoint_id="b", storage_writer=MemoryStorageWriter(store), no_dist=True)
     assert torch.equal(_load(store, "a")["w"], torch.full((1000,), 2.0))
     assert torch.equal(_load(store, "b")["w"], torch.full((1000,), 3.0))
+    assert _staging(store) == []  # the abandoned slot went back to the pool
 
 
 def test_one_writer_reused_for_sequential_async_saves(store):
@@ -75,3 +75,17 @@ def test_conjugate_and_negative_views_are_stored_by_value(store, lazy, mode):
     out = {"z": torch.zeros(8, dtype=torch.complex64)}
     dcp.load(out, checkpoint_id="z", storage_reader=MemoryStorageReader(store), no_dist=True)
     assert torch.equal(out["z"], expected)
+
+
+def test_sync_save_right_after_async_save_on_the_same_writer_waits_for_it(store):
+    writer = MemoryStorageWriter(store)
+    fut = dcp.async_save(_state(1.0), checkpoint_id="a", storage_writer=writer, no_dist=True)
+    dcp.save(
+        _state(2.0), checkpoint_id="b", storage_writer=writer, no_dist=True
+    )  # must not take a's staged data
+    fut.result(timeout=30)
+    assert store.list_checkpoints() == ["a", "b"]
+    assert torch.equal(_load(store, "a")["w"], torch.full((1000,), 1.0))
+    assert torch.equal(_load(store, "b")["w"], torch.full((1000,), 2.0))
+    dcp.async_save(_state(3.0), checkpoint_id="c", storage_writer=writer, no_dist=True).result(timeout=30)
+    assert torch.equal(_load(store, "c")["w"], torch.full((1000,), 3.0))
