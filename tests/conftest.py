@@ -13,6 +13,7 @@ import pytest
 from torch.distributed.checkpoint.planner import SavePlanner
 
 from dcp_memstore import MemStore
+from dcp_memstore.store.layout import StoreLayout
 from dcp_memstore.store.mapping import MAPPINGS
 
 SHM = "/dev/shm"
@@ -80,3 +81,11 @@ def clean_plan_cache():
     clear()
     yield
     clear()
+
+
+@pytest.fixture
+def layout(shm_dir):
+    """A job's store layout on a fresh tmpfs directory, its directories created."""
+    lay = StoreLayout(shm_dir, "job")
+    lay.ensure()
+    return lay

@@ -11,15 +11,8 @@ import psutil
 import pytest
 
 from dcp_memstore.store import catalog
-from dcp_memstore.store.layout import COMMITTED, INPROGRESS, StoreLayout, shard_name
+from dcp_memstore.store.layout import COMMITTED, INPROGRESS, shard_name
 from dcp_memstore.store.records import read_record, write_record
-
-
-@pytest.fixture
-def layout(shm_dir):
-    lay = StoreLayout(shm_dir, "job")
-    lay.ensure()
-    return lay
 
 
 def _committed_ids(layout):

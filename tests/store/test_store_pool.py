@@ -5,20 +5,12 @@ from __future__ import annotations
 import os
 import time
 
-import pytest
 import torch
 
-from dcp_memstore.store.layout import SHARD_SUFFIX, StoreLayout
+from dcp_memstore.store.layout import SHARD_SUFFIX
 from dcp_memstore.store.mapping import MAPPINGS
 from dcp_memstore.store.pool import FILE_ALIGN, FilePool, round_up
 from dcp_memstore.store.space import allocate_file
-
-
-@pytest.fixture
-def layout(shm_dir):
-    lay = StoreLayout(shm_dir, "job")
-    lay.ensure()
-    return lay
 
 
 def _pooled(pool):
