@@ -89,3 +89,14 @@ def layout(shm_dir):
     lay = StoreLayout(shm_dir, "job")
     lay.ensure()
     return lay
+
+
+@pytest.fixture
+def disk_dir(tmp_path):
+    """A directory on a disk file system (not tmpfs); the test is skipped where there is none."""
+    fstype = subprocess.run(
+        ["df", "--output=fstype", str(tmp_path)], capture_output=True, text=True, check=True
+    ).stdout.split()[-1]
+    if fstype in ("tmpfs", "ramfs"):
+        pytest.skip(f"{tmp_path} is on {fstype} here; no disk directory to try")
+    return tmp_path

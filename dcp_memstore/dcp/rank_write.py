@@ -106,14 +106,10 @@ class RankWrite:
     def _checksum_staged(
         self, name: str, entries: list[tuple[WriteItem, int, torch.Tensor]]
     ) -> list[WriteResult]:
-        out = []
-        for item, off, t in entries:
-            n = t.numel() * t.element_size()
-            loc = ShardLocation(
-                name, off, n, checksum_memory(t.data_ptr(), n), dtype_name(t.dtype), tuple(t.shape)
-            )
-            out.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=loc))
-        return out
+        return [
+            _tensor_result(item, name, off, t, checksum_memory(t.data_ptr(), t.numel() * t.element_size()))
+            for item, off, t in entries
+        ]
 
     def _place_copies(self, to_copy: list[tuple[WriteItem, torch.Tensor]], first_index: int) -> list:
         """Split the tensors to copy into ``io_threads`` files: (name, size, [(item, offset, tensor)])."""
@@ -149,9 +145,7 @@ class RankWrite:
                     digest = copy_with_checksum(mf.tensor(off, t.dtype, t.shape), t)
                 else:
                     digest = write_with_checksum(fd, off, t.contiguous())
-                n = t.numel() * t.element_size()
-                loc = ShardLocation(name, off, n, digest, dtype_name(t.dtype), tuple(t.shape))
-                out.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=loc))
+                out.append(_tensor_result(item, name, off, t, digest))
         finally:
             if mf is None:
                 os.close(fd)
@@ -168,4 +162,11 @@ class RankWrite:
             blob += b"\0" * (-len(blob) % ITEM_ALIGN)
             loc = ShardLocation(name, off, len(buf), checksum_bytes(buf))
             self.results.append(WriteResult(index=item.index, size_in_bytes=len(buf), storage_data=loc))
-        write_atomic(self.dir / name, bytes(blob))
+        write_atomic(self.dir / name, blob)
+
+
+def _tensor_result(item: WriteItem, file: str, offset: int, t: torch.Tensor, digest: int) -> WriteResult:
+    """DCP's record of one written tensor item: where its bytes are, their checksum, dtype and shape."""
+    n = t.numel() * t.element_size()
+    loc = ShardLocation(file, offset, n, digest, dtype_name(t.dtype), tuple(t.shape))
+    return WriteResult(index=item.index, size_in_bytes=n, storage_data=loc)

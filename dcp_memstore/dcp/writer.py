@@ -95,10 +95,9 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                 f"torch.multiprocessing's sharing strategy is {get_sharing_strategy()!r}. Call "
                 "torch.multiprocessing.set_sharing_strategy('file_descriptor') or use the THREAD executor."
             )
-        order = SaveOrder.of(str(self.store.layout.job_dir))
         for seq, _, _ in self._pending:
-            order.wait_sent_in_order(seq, self.store.stage_timeout_s)
-            order.bind(seq)  # DCP's executor thread that sends this save; it ends when the save has ended
+            self._order.wait_sent_in_order(seq, self.store.stage_timeout_s)
+            self._order.bind(seq)  # bound to DCP's executor thread that sends this save
         state = dict(self.__dict__)
         state["_pending"] = deque(self._pending)
         state.pop("_abandon", None)
@@ -141,9 +140,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         try:
             cid = None if checkpoint_id is None else validate_name(checkpoint_id)
             # Wait for earlier saves of this job in this process before touching any per-save state.
-            SaveOrder.of(str(self.store.layout.job_dir)).begin(
-                ticket[0] if ticket else None, self.store.stage_timeout_s
-            )
+            self._order.begin(ticket[0] if ticket else None, self.store.stage_timeout_s)
         except BaseException:
             self._current = ticket
             self._release_slot()
@@ -237,21 +234,27 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
     def _release_slot(self) -> None:
         """This save failed: recycle its staging slot, and drop its ticket if it never started."""
         if self._current is not None:
-            seq, slot = self._current
-            if slot is not None:
-                catalog.recycle(self.store.layout, Path(slot))
-            SaveOrder.of(str(self.store.layout.job_dir)).cancel(seq)
+            _give_back(self.store.layout, *self._current)
         self._current = None
         self._armed = False
+
+    @property
+    def _order(self) -> SaveOrder:
+        return SaveOrder.of(str(self.store.layout.job_dir))
+
+
+def _give_back(layout: StoreLayout, seq: int, slot: str | None) -> None:
+    """Recycle a save's staging slot and drop its ticket if no thread ever started the save."""
+    if slot is not None:
+        catalog.recycle(layout, Path(slot))
+    SaveOrder.of(str(layout.job_dir)).cancel(seq)
 
 
 def _abandon_pending(layout: StoreLayout, pending: deque) -> None:
     """Give back the slots and tickets of staged saves that will never run."""
     while pending:
         seq, slot, _ = pending.popleft()
-        SaveOrder.of(str(layout.job_dir)).cancel(seq)
-        if slot is not None:
-            catalog.recycle(layout, Path(slot))
+        _give_back(layout, seq, slot)
 
 
 def _abandon_later(job: str, pending: deque) -> None:

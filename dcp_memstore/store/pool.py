@@ -76,12 +76,13 @@ class FilePool:
         os.rename(path, self.dir / f"{uuid.uuid4().hex}{SHARD_SUFFIX}")
 
     def trim(self, keep: int) -> None:
-        """Delete all but the ``keep`` newest pooled files."""
-        entries = sorted(self._entries(), key=_mtime, reverse=True)
-        for e in entries[keep:]:
+        """Delete all but the ``keep`` newest pooled files, and this process's mappings of them."""
+        entries = sorted(self._entries(), key=_mtime, reverse=True)[keep:]
+        for e in entries:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(e.path)
-        MAPPINGS.prune()
+        if entries:
+            MAPPINGS.prune()
 
     def _candidates(self, size: int) -> tuple[list[os.DirEntry], list[os.DirEntry]]:
         """Pooled files that fit ``size`` (those already mapped here first, then the tightest), and the rest."""

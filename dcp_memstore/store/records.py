@@ -16,7 +16,7 @@ import msgpack
 MAX_RECORD_BYTES = 1 << 30  # a manifest of a very large model stays far below this
 
 
-def write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes | bytearray) -> None:
     """Write ``data`` to ``path`` so that readers see either the old file or the whole new one."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
