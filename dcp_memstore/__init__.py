@@ -13,7 +13,7 @@ from dcp_memstore.errors import (
     InsufficientSpaceError,
     StagingTimeoutError,
 )
-from dcp_memstore.store.memstore import MemStore
+from dcp_memstore.memstore import MemStore
 
 __version__ = "0.1.0"
 

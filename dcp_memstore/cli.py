@@ -11,10 +11,10 @@ import argparse
 import sys
 import time
 
+from dcp_memstore.memstore import MemStore, resolve_job_id, resolve_root
 from dcp_memstore.store import catalog
 from dcp_memstore.store.layout import MANIFEST
 from dcp_memstore.store.manifest import Manifest
-from dcp_memstore.store.memstore import MemStore, resolve_job_id, resolve_root
 
 
 def _store(args: argparse.Namespace) -> MemStore:

@@ -42,3 +42,7 @@ class CheckpointExistsError(FileExistsError):
 
 class StagingTimeoutError(TimeoutError):
     """A new save waited too long for an earlier one to finish its writes."""
+
+
+class PersistError(RuntimeError):
+    """A checkpoint could not be uploaded to persistent storage (bad credentials, missing bucket, ...)."""

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_memstore.dcp.metadata_codec import dtype_name
+from dcp_memstore.memstore import MemStore
 from dcp_memstore.store import catalog
 from dcp_memstore.store.checksum import (
     checksum_bytes,
@@ -28,11 +29,9 @@ from dcp_memstore.store.faults import crash_point
 from dcp_memstore.store.layout import objects_name, shard_name
 from dcp_memstore.store.manifest import ShardLocation
 from dcp_memstore.store.mapping import MAPPINGS, MappedFile
-from dcp_memstore.store.memstore import MemStore
 from dcp_memstore.store.packing import ITEM_ALIGN, pack
 from dcp_memstore.store.pool import FilePool
 from dcp_memstore.store.records import write_atomic
-from dcp_memstore.store.space import check_space
 from dcp_memstore.store.threads import run_parallel
 
 
@@ -86,7 +85,7 @@ class RankWrite:
             next_index += 1
         # Checked again here because with plan caching DCP hands prepare_local_plan an empty plan.
         needed = sum(t.numel() * t.element_size() for _, t in to_copy) + sum(len(b) for _, b in objects)
-        check_space(self.store.layout.root, needed, FilePool(self.store.layout, self.rank).reusable_bytes())
+        self.store.check_space(needed, FilePool(self.store.layout, self.rank).reusable_bytes())
         copy_files = self._place_copies(to_copy, next_index)
 
         jobs = [

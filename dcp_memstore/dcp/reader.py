@@ -9,10 +9,11 @@ verified first, in parallel, unless the store turns verification off.
 from __future__ import annotations
 
 import io
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -23,13 +24,18 @@ from torch.futures import Future
 
 from dcp_memstore.dcp.metadata_codec import decode_metadata, dtype_from_name, dtype_name
 from dcp_memstore.errors import ChecksumMismatchError
+from dcp_memstore.memstore import CheckpointSource, MemStore
 from dcp_memstore.store.checksum import checksum_bytes, checksum_memory, memory_view, read_with_checksum
 from dcp_memstore.store.ids import validate_name
 from dcp_memstore.store.layout import MANIFEST
 from dcp_memstore.store.manifest import Manifest, ShardLocation
 from dcp_memstore.store.mapping import MAPPINGS, MappedFile
-from dcp_memstore.store.memstore import MemStore
 from dcp_memstore.store.threads import run_parallel
+
+if TYPE_CHECKING:
+    from dcp_memstore.persist.remote_read import RemoteCheckpoint
+
+log = logging.getLogger(__name__)
 
 
 class MemoryStorageReader(StorageReader):
@@ -42,7 +48,7 @@ class MemoryStorageReader(StorageReader):
         super().__init__()
         self.store = store
         self.checkpoint_id: str | None = None
-        self._dir: Path | None = None
+        self._source: CheckpointSource | None = None
         self._storage_data: dict[MetadataIndex, ShardLocation] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -51,7 +57,7 @@ class MemoryStorageReader(StorageReader):
                 "dcp.load with MemoryStorageReader needs checkpoint_id='NAME', e.g. store.latest_checkpoint()"
             )
         self.checkpoint_id = validate_name(checkpoint_id)
-        self._dir = self.store.require_checkpoint(self.checkpoint_id)
+        self._source = self.store.open_checkpoint(self.checkpoint_id)
         self._storage_data = {}
 
     @classmethod
@@ -63,9 +69,10 @@ class MemoryStorageReader(StorageReader):
             return False
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if self._dir is None:
+        src = self._source
+        if src is None:
             raise ValueError("MemoryStorageReader.read_metadata called before reset(checkpoint_id)")
-        manifest = Manifest.read(self._dir / MANIFEST)
+        manifest = Manifest.read(src.local_dir / MANIFEST) if src.local_dir else src.remote.manifest
         self._storage_data = {MetadataIndex(it.fqn, it.chunk_offset): it.location for it in manifest.items}
         return decode_metadata(manifest.dcp, dict(self._storage_data))
 
@@ -82,14 +89,14 @@ class MemoryStorageReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        assert self._dir is not None
+        assert self._source is not None
         by_file: dict[str, list[_Read]] = {}
         for req in plan.items:
             loc = self._storage_data[req.storage_index]
             dst = None if req.type == LoadItemType.BYTE_IO else planner.resolve_tensor(req).detach()
             by_file.setdefault(loc.file, []).append(_Read(req, loc, dst))
         # Files are read in parallel; the planner is called from this thread only.
-        for reads in run_parallel(self._read_file, by_file.values(), self.store.io_threads):
+        for reads in run_parallel(self._read_file_or_fall_back, by_file.values(), self.store.io_threads):
             for r in reads:
                 if r.dst is None:
                     planner.load_bytes(r.req, io.BytesIO(r.data))
@@ -99,17 +106,44 @@ class MemoryStorageReader(StorageReader):
         fut.set_result(None)
         return fut
 
-    def _read_file(self, reads: list[_Read]) -> list[_Read]:
+    def _read_file_or_fall_back(self, reads: list[_Read]) -> list[_Read]:
+        """Read one file's items from this node's copy; if that is missing or fails its checksum, from the
+        persisted copy (if there is one; else the local error stands)."""
+        src = self._source
+        if src.local_dir is not None:
+            try:
+                return self._read_file(src.local_dir, reads)
+            except (FileNotFoundError, ChecksumMismatchError) as e:
+                if src.remote is None:
+                    raise
+                log.warning("%s; reading it from %s instead", e, src.remote.target.url_of(src.checkpoint_id))
+        for r in reads:
+            self._read_remote(src.remote, r)
+        return reads
+
+    def _read_remote(self, remote: RemoteCheckpoint, r: _Read) -> None:
+        loc = remote.locations[r.req.storage_index]
+        buf, actual = remote.fetch(loc)
+        if actual is None or (self.store.verify_checksums and actual != loc.checksum):
+            raise ChecksumMismatchError(
+                remote.describe(loc), _item_name(r.req.storage_index), loc.checksum, actual or 0
+            )
+        if r.dst is None:
+            r.data = bytes(memory_view(buf.data_ptr(), loc.length))
+        else:
+            r.dst.copy_(_region(buf.view(dtype_from_name(loc.dtype)).view(loc.shape), r))
+
+    def _read_file(self, directory: Path, reads: list[_Read]) -> list[_Read]:
         """Read one file's items into their destinations, verifying checksums.
 
         Whole items into contiguous CPU destinations, from a file this process has not mapped (a restart),
         are read with pread straight into the destination and hashed chunk by chunk while in cache.
         Everything else (resharded regions, GPU destinations, files already mapped here) is copied from
         the file's mapping."""
-        path = self._dir / reads[0].loc.file
+        path = directory / reads[0].loc.file
         st = os.stat(path)
         if MAPPINGS.is_mapped((st.st_dev, st.st_ino)) or not all(r.whole() for r in reads):
-            self._read_mapped(MAPPINGS.map_path(path), reads)
+            self._read_mapped(MAPPINGS.map_path(path), reads, path)
         else:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             try:
@@ -119,12 +153,12 @@ class MemoryStorageReader(StorageReader):
                         actual = checksum_bytes(r.data) if len(r.data) == r.loc.length else None
                     else:
                         actual = read_with_checksum(fd, r.loc.offset, r.dst)
-                    self._check(r, actual)
+                    self._check(r, actual, path)
             finally:
                 os.close(fd)
         return reads
 
-    def _read_mapped(self, mf: MappedFile, reads: list[_Read]) -> None:
+    def _read_mapped(self, mf: MappedFile, reads: list[_Read], path: Path) -> None:
         verified: set[tuple[int, int]] = set()
         for r in reads:
             loc = r.loc
@@ -135,30 +169,21 @@ class MemoryStorageReader(StorageReader):
                     actual = checksum_memory(mf.address + loc.offset, loc.length)
                 else:
                     actual = loc.checksum  # not verified: skip the pass over the bytes
-                self._check(r, actual)
+                self._check(r, actual, path)
                 verified.add((loc.offset, loc.length))
             if r.dst is None:
                 r.data = bytes(memory_view(mf.address + loc.offset, loc.length))
                 continue
-            src = narrow_tensor_by_index(
-                mf.tensor(loc.offset, dtype_from_name(loc.dtype), loc.shape),
-                r.req.storage_offsets,
-                r.req.lengths,
-            )
-            if r.dst.size() != src.size():
-                raise ValueError(
-                    f"{r.req.storage_index.fqn}: stored region {tuple(src.size())} does not "
-                    f"match destination {tuple(r.dst.size())}"
-                )
+            src = _region(mf.tensor(loc.offset, dtype_from_name(loc.dtype), loc.shape), r)
             if r.dst.is_cuda:
                 mf.pin_for_cuda()  # host-to-device from page-locked tmpfs pages
             r.dst.copy_(src)
 
-    def _check(self, r: _Read, actual: int | None) -> None:
+    def _check(self, r: _Read, actual: int | None, path: Path) -> None:
         """Raise ChecksumMismatchError unless ``actual`` (None: bytes missing) is the recorded checksum."""
         if actual is None or (self.store.verify_checksums and actual != r.loc.checksum):
             raise ChecksumMismatchError(
-                str(self._dir / r.loc.file), _item_name(r.req.storage_index), r.loc.checksum, actual or 0
+                str(path), _item_name(r.req.storage_index), r.loc.checksum, actual or 0
             )
 
 
@@ -182,6 +207,17 @@ class _Read:
             and tuple(self.dst.shape) == self.loc.shape
             and not any(self.req.storage_offsets)
         )
+
+
+def _region(stored: torch.Tensor, r: _Read) -> torch.Tensor:
+    """The part of a stored item that read ``r`` asks for (DCP resharding), checked against its destination."""
+    src = narrow_tensor_by_index(stored, r.req.storage_offsets, r.req.lengths)
+    if r.dst.size() != src.size():
+        raise ValueError(
+            f"{r.req.storage_index.fqn}: stored region {tuple(src.size())} does not "
+            f"match destination {tuple(r.dst.size())}"
+        )
+    return src
 
 
 def _item_name(index: MetadataIndex) -> str:

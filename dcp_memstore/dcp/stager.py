@@ -21,15 +21,14 @@ import torch
 from dcp_memstore.dcp import state_tree
 from dcp_memstore.dcp.save_order import SaveOrder, Ticket, never_started_hint, wait_while
 from dcp_memstore.errors import StagingTimeoutError
+from dcp_memstore.memstore import MemStore
 from dcp_memstore.store.catalog import claim_owner, recycle
 from dcp_memstore.store.device_copy import DeviceToHost
 from dcp_memstore.store.faults import crash_point
 from dcp_memstore.store.layout import shard_name, slot_name
 from dcp_memstore.store.mapping import MAPPINGS, MappedFile
-from dcp_memstore.store.memstore import MemStore
 from dcp_memstore.store.packing import pack
 from dcp_memstore.store.pool import FilePool
-from dcp_memstore.store.space import check_space
 from dcp_memstore.store.threads import run_parallel
 
 
@@ -77,7 +76,7 @@ class Stager:
             sizes = [t.numel() * t.element_size() for t in originals]
             placements, file_sizes = pack(sizes, self.store.io_threads)
             pool = FilePool(self.store.layout, rank)
-            check_space(self.store.layout.root, sum(file_sizes), reusable=pool.reusable_bytes())
+            self.store.check_space(sum(file_sizes), reusable=pool.reusable_bytes())
             ticket = self.order.issue()
             slot = self.store.layout.staging_dir / slot_name(
                 rank, os.getpid(), ticket.seq, uuid.uuid4().hex[:8]

@@ -31,15 +31,14 @@ from dcp_memstore.dcp.rank_write import RankWrite
 from dcp_memstore.dcp.save_order import SaveOrder
 from dcp_memstore.dcp.stager import Stager, current_rank
 from dcp_memstore.errors import CheckpointExistsError
+from dcp_memstore.memstore import MemStore
 from dcp_memstore.store import catalog
 from dcp_memstore.store.faults import crash_point
 from dcp_memstore.store.ids import validate_name
 from dcp_memstore.store.layout import MANIFEST, StoreLayout, parse_slot
 from dcp_memstore.store.manifest import Manifest, ManifestItem
 from dcp_memstore.store.mapping import MAPPINGS
-from dcp_memstore.store.memstore import MemStore
 from dcp_memstore.store.pool import FilePool
-from dcp_memstore.store.space import check_space
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -187,9 +186,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             )
         if self._current is None:  # not staged: this save copies every tensor into new shard files
             needed = sum(_nbytes(it) for it in plan.items)
-            check_space(
-                self.store.layout.root, needed, FilePool(self.store.layout, self.rank).reusable_bytes()
-            )
+            self.store.check_space(needed, FilePool(self.store.layout, self.rank).reusable_bytes())
         return plan
 
     @_releases_slot_on_error
@@ -224,7 +221,9 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         manifest = Manifest(self.checkpoint_id, len(results), items, encode_metadata(metadata))
         manifest.write(layout.checkpoint_dir(self.checkpoint_id) / MANIFEST)
         crash_point("before-commit", self.rank)
-        catalog.commit(layout, self.checkpoint_id, manifest.nbytes)
+        seq = catalog.next_seq(layout)
+        self.store.apply_persist_policy(self.checkpoint_id, seq)
+        catalog.commit(layout, self.checkpoint_id, manifest.nbytes, seq=seq)
         crash_point("after-commit", self.rank)
         catalog.evict(layout, self.store.keep_in_memory)
         catalog.clear_abandoned(layout, before=self._save_started)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from dcp_memstore.store.layout import COMMITTED, INPROGRESS, OWNER, StoreLayout, name_pid, shard_rank
+from dcp_memstore.store.layout import COMMITTED, HOLDS, INPROGRESS, OWNER, StoreLayout, name_pid, shard_rank
 from dcp_memstore.store.pool import FilePool
 from dcp_memstore.store.records import read_record, write_record
 
@@ -73,10 +73,16 @@ def begin(layout: StoreLayout, checkpoint_id: str) -> Path:
     return final
 
 
-def commit(layout: StoreLayout, checkpoint_id: str, nbytes: int) -> CommitRecord:
-    """Write the COMMITTED marker: from here on the checkpoint is visible (coordinator only)."""
+def next_seq(layout: StoreLayout) -> int:
+    """The sequence number the next commit gets (one more than the newest committed checkpoint's)."""
+    return max((r.seq for r in committed(layout)), default=0) + 1
+
+
+def commit(layout: StoreLayout, checkpoint_id: str, nbytes: int, seq: int | None = None) -> CommitRecord:
+    """Write the COMMITTED marker: from here on the checkpoint is visible (coordinator only). ``seq``
+    defaults to ``next_seq``; pass the one a caller already decided on (e.g. to place a hold first)."""
     d = layout.checkpoint_dir(checkpoint_id)
-    seq = max((r.seq for r in committed(layout)), default=0) + 1
+    seq = next_seq(layout) if seq is None else seq
     rec = CommitRecord(checkpoint_id, seq, time.time(), nbytes)
     write_record(d / COMMITTED, {"seq": rec.seq, "committed_at": rec.committed_at, "nbytes": nbytes})
     (d / INPROGRESS).unlink(missing_ok=True)
@@ -132,10 +138,34 @@ def recycle(layout: StoreLayout, directory: Path) -> None:
     shutil.rmtree(directory, ignore_errors=True)
 
 
+def hold(layout: StoreLayout, checkpoint_id: str, reason: str, record: dict | None = None) -> None:
+    """Keep ``checkpoint_id`` from eviction until ``release(reason)``: something (an upload to persistent
+    storage, a replica) still needs its bytes. ``record`` is stored with the hold (idempotent)."""
+    d = layout.checkpoint_dir(checkpoint_id) / HOLDS
+    d.mkdir(exist_ok=True)
+    write_record(d / reason, record or {})
+
+
+def release(layout: StoreLayout, checkpoint_id: str, reason: str) -> None:
+    """Drop hold ``reason`` of ``checkpoint_id`` (no error if it had none)."""
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        (layout.checkpoint_dir(checkpoint_id) / HOLDS / reason).unlink()
+
+
+def holds(layout: StoreLayout, checkpoint_id: str) -> list[str]:
+    """The reasons ``checkpoint_id`` is held in memory, sorted (empty: evictable)."""
+    try:
+        return sorted(e.name for e in os.scandir(layout.checkpoint_dir(checkpoint_id) / HOLDS))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
 def evict(layout: StoreLayout, keep: int) -> list[str]:
-    """Evict all but the ``keep`` newest committed checkpoints."""
+    """Evict all but the ``keep`` newest committed checkpoints, except those held (see ``hold``)."""
     recs = committed(layout)
-    victims = [r.checkpoint_id for r in recs[: max(0, len(recs) - keep)]]
+    victims = [
+        r.checkpoint_id for r in recs[: max(0, len(recs) - keep)] if not holds(layout, r.checkpoint_id)
+    ]
     for cid in victims:
         discard(layout, layout.checkpoint_dir(cid))
     return victims

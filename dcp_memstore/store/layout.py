@@ -1,6 +1,7 @@
 """Where everything lives under the store root.
 
     <root>/<job_id>/checkpoints/<checkpoint_id>/   one checkpoint: shard files, manifest, markers
+    <root>/<job_id>/checkpoints/<checkpoint_id>/holds/<reason>   retention holds (owed uploads, replicas)
     <root>/<job_id>/staging/<slot>/                async-save staging areas (become checkpoint files)
     <root>/<job_id>/pool/rank<r>/                  shard files of evicted checkpoints, reused by rank r
     <root>/<job_id>/trash/                         checkpoints being evicted or cleared
@@ -18,6 +19,7 @@ INPROGRESS = "INPROGRESS"
 COMMITTED = "COMMITTED"
 MANIFEST = "manifest.msgpack"
 OWNER = "OWNER"
+HOLDS = "holds"
 SHARD_SUFFIX = ".shard"
 _SHARD_RE = re.compile(r"__(\d+)_(\d+)\.shard")
 _SLOT_RE = re.compile(r"r(\d+)-p(\d+)-s(\d+)-[0-9a-f]+")

@@ -1,0 +1,401 @@
+"""``MemStore``: one job's node-local checkpoint store and its user-facing queries."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from dcp_memstore.errors import InsufficientSpaceError, PersistError
+from dcp_memstore.persist.persister import Persister
+from dcp_memstore.persist.progress import Progress
+from dcp_memstore.persist.publish import remote_commit, remote_committed
+from dcp_memstore.persist.remote_read import RemoteCheckpoint
+from dcp_memstore.persist.target import PersistTarget
+from dcp_memstore.status import CheckpointStatus
+from dcp_memstore.store import catalog, space
+from dcp_memstore.store.collective import all_gather_records, dist_active
+from dcp_memstore.store.ids import validate_name
+from dcp_memstore.store.layout import MANIFEST, StoreLayout
+from dcp_memstore.store.manifest import Manifest
+from dcp_memstore.store.mapping import MAPPINGS
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ROOT = "/dev/shm/dcp_memstore"
+ENV_ROOT = "DCP_MEMSTORE_ROOT"
+ENV_JOB_ID = "DCP_MEMSTORE_JOB_ID"
+
+
+def resolve_root(root: str | os.PathLike | None) -> Path:
+    """``root``, else ``$DCP_MEMSTORE_ROOT``, else /dev/shm/dcp_memstore."""
+    return Path(root if root is not None else os.environ.get(ENV_ROOT, DEFAULT_ROOT)).expanduser()
+
+
+def resolve_job_id(job_id: str | None) -> str:
+    """``job_id``, else ``$DCP_MEMSTORE_JOB_ID``, else torchrun's run id, else "default" (validated)."""
+    if job_id is None:
+        job_id = "default"
+        for var in (ENV_JOB_ID, "TORCHELASTIC_RUN_ID"):
+            value = os.environ.get(var)
+            if value and value != "none":
+                job_id = value
+                break
+    return validate_name(job_id, "job id")
+
+
+def _default_io_threads() -> int:
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return max(1, min(4, (os.cpu_count() or 1) // max(1, local_world)))
+
+
+@dataclass
+class CheckpointSource:
+    """Where a checkpoint can be read: this node's tmpfs (``local_dir``) and/or persistent storage
+    (``remote()``, looked up on first use, None if it is not persisted)."""
+
+    checkpoint_id: str
+    local_dir: Path | None
+    _find_remote: Any = field(repr=False, default=None)
+
+    @functools.cached_property
+    def remote(self) -> RemoteCheckpoint | None:
+        return self._find_remote() if self._find_remote is not None else None
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+class MemStore:
+    """A job's checkpoints in node-local memory (tmpfs).
+
+    Args:
+        root: directory on a memory file system. Default: ``$DCP_MEMSTORE_ROOT`` or ``/dev/shm/dcp_memstore``.
+        job_id: name of the job inside ``root``. Default: ``$DCP_MEMSTORE_JOB_ID``, else torchrun's run id
+            (``$TORCHELASTIC_RUN_ID``), else ``"default"``.
+        keep_in_memory: committed checkpoints kept; older ones are evicted at each commit. Default 2.
+        max_in_flight: async saves staged but not yet written; the next ``stage`` waits. Default 1.
+        io_threads: writer/reader threads per rank, and so shard files per rank. Default: cores per local rank, at most 4.
+        verify_checksums: verify every item's xxh3-64 checksum when loading. Default True.
+        stage_timeout_s: how long an async save waits for an earlier one before raising. Default 600.
+        persist_to: where to persist checkpoints: an fsspec URL (``s3://bucket/prefix``) or a directory, in
+            the standard DCP layout. Default None: memory only.
+        persist_every: persist every Nth committed checkpoint (by commit sequence number). Default None:
+            only on demand (``persist(id)``) and at ``close()``.
+        storage_options: passed to fsspec for ``persist_to`` (for s3fs: key, secret, client_kwargs, ...).
+        persist_on_close: at ``close()``, persist the newest checkpoint and wait for owed uploads. Default True.
+        persist_backlog: what a save does when memory is full of checkpoints still owed to persistent
+            storage: ``"error"`` (default: raise InsufficientSpaceError saying so) or ``"wait"`` (wait up to
+            ``stage_timeout_s`` for uploads to free memory).
+
+    The store object is picklable (DCP's PROCESS executor sends it to its checkpoint process with the
+    writer); the persister thread stays with the original.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike | None = None,
+        job_id: str | None = None,
+        *,
+        keep_in_memory: int = 2,
+        max_in_flight: int = 1,
+        io_threads: int | None = None,
+        verify_checksums: bool = True,
+        stage_timeout_s: float = 600.0,
+        persist_to: str | os.PathLike | None = None,
+        persist_every: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        persist_on_close: bool = True,
+        persist_backlog: str = "error",
+    ) -> None:
+        self.keep_in_memory = _positive_int("keep_in_memory", keep_in_memory)
+        self.max_in_flight = _positive_int("max_in_flight", max_in_flight)
+        self.io_threads = _positive_int(
+            "io_threads", io_threads if io_threads is not None else _default_io_threads()
+        )
+        self.verify_checksums = bool(verify_checksums)
+        if not stage_timeout_s > 0:
+            raise ValueError(f"stage_timeout_s must be > 0, got {stage_timeout_s!r}")
+        self.stage_timeout_s = float(stage_timeout_s)
+        self.persist_every = None if persist_every is None else _positive_int("persist_every", persist_every)
+        if persist_backlog not in ("error", "wait"):
+            raise ValueError(f"persist_backlog must be 'error' or 'wait', got {persist_backlog!r}")
+        self.persist_backlog = persist_backlog
+        self.persist_on_close = bool(persist_on_close)
+        self.target = PersistTarget(persist_to, storage_options) if persist_to is not None else None
+        if self.target is None and (persist_every is not None or storage_options is not None):
+            raise ValueError("persist_every and storage_options need persist_to (a URL or directory)")
+        root = resolve_root(root)
+        self.job_id = resolve_job_id(job_id)
+        if root.exists() and not root.is_dir():
+            raise NotADirectoryError(
+                f"MemStore root {root} exists and is not a directory; pass a directory on tmpfs"
+            )
+        self.layout = StoreLayout(root.resolve() if root.exists() else root.absolute(), self.job_id)
+        self.layout.ensure()
+        if not space.is_memory_backed(self.layout.root):
+            warnings.warn(
+                f"MemStore root {self.layout.root} is not on a memory file system (tmpfs); checkpoints will go "
+                "to disk at disk speed. Use a directory under /dev/shm or another tmpfs mount.",
+                stacklevel=2,
+            )
+        self._closed = False
+        cleared = catalog.clear_abandoned(self.layout)
+        if cleared:
+            log.info("cleared uncommitted leftovers of dead saves: %s", cleared)
+        self._persister = (
+            Persister.acquire(self.layout, self.target, self.io_threads, self.keep_in_memory)
+            if self.target is not None
+            else None
+        )
+
+    # -- queries ---------------------------------------------------------------------------------------
+
+    @property
+    def root(self) -> Path:
+        return self.layout.root
+
+    def list_checkpoints(self) -> list[str]:
+        """Committed checkpoints in this node's store, oldest first."""
+        self._check_open()
+        return [r.checkpoint_id for r in catalog.committed(self.layout)]
+
+    def latest_checkpoint(self, process_group: dist.ProcessGroup | None = None) -> str | None:
+        """The newest checkpoint that every rank can load (from its tmpfs or from persistent storage), or None.
+
+        A collective when torch.distributed is initialized: call it on every rank of ``process_group``.
+        """
+        self._check_open()
+        mine = {
+            r.checkpoint_id: [r.checkpoint_id, r.committed_at, r.seq] for r in catalog.committed(self.layout)
+        }
+        if self.target is not None:
+            try:
+                for r in remote_committed(self.target):
+                    mine.setdefault(r.checkpoint_id, [r.checkpoint_id, r.committed_at, r.seq])
+            except Exception as e:  # noqa: BLE001 - an unreachable store leaves the local tier
+                log.warning("cannot list persisted checkpoints in %s: %s", self.target.url, e)
+        views = (
+            all_gather_records(list(mine.values()), process_group) if dist_active() else [list(mine.values())]
+        )
+        common = set.intersection(*({rec[0] for rec in v} for v in views))
+        newest = [(at, seq, cid) for cid, at, seq in mine.values() if cid in common]
+        return max(newest)[2] if newest else None
+
+    def require_checkpoint(self, checkpoint_id: str) -> Path:
+        """The directory of committed checkpoint ``checkpoint_id``; FileNotFoundError naming those that exist."""
+        cid = validate_name(checkpoint_id)
+        if catalog.read_commit(self.layout, cid) is None:
+            raise FileNotFoundError(
+                f"checkpoint {cid!r} not found in store {self.layout.job_dir}; "
+                f"committed checkpoints: {self.list_checkpoints() or 'none'}"
+            )
+        return self.layout.checkpoint_dir(cid)
+
+    def open_checkpoint(self, checkpoint_id: str) -> CheckpointSource:
+        """Where committed checkpoint ``checkpoint_id`` can be read from; FileNotFoundError naming the
+        checkpoints that exist (in memory and persisted) if it is in neither tier."""
+        cid = validate_name(checkpoint_id)
+        if catalog.read_commit(self.layout, cid) is not None:
+            return CheckpointSource(
+                cid, self.layout.checkpoint_dir(cid), functools.partial(self._remote, cid)
+            )
+        remote = self._remote(cid)
+        if remote is not None:
+            return CheckpointSource(cid, None, lambda: remote)
+        persisted = ""
+        if self.target is not None:
+            try:
+                persisted = f"; persisted in {self.target.url}: " + (
+                    str([r.checkpoint_id for r in remote_committed(self.target)]) or "none"
+                )
+            except Exception as e:  # noqa: BLE001 - say why the persistent tier was not searched
+                persisted = f"; persistent storage {self.target.url} unreachable: {e}"
+        raise FileNotFoundError(
+            f"checkpoint {cid!r} not found in store {self.layout.job_dir}; "
+            f"committed checkpoints in memory: {self.list_checkpoints() or 'none'}{persisted}"
+        )
+
+    def _remote(self, cid: str) -> RemoteCheckpoint | None:
+        """The persisted copy of ``cid``, or None (not persisted, no target, or the target unreachable)."""
+        if self.target is None:
+            return None
+        try:
+            if remote_commit(self.target, cid) is None:
+                return None
+            return RemoteCheckpoint(self.target, cid, self.io_threads)
+        except Exception as e:  # noqa: BLE001 - reading falls back to what is local
+            log.warning("cannot read persisted checkpoint %r from %s: %s", cid, self.target.url, e)
+            return None
+
+    # -- persistence -----------------------------------------------------------------------------------
+
+    def apply_persist_policy(self, checkpoint_id: str, seq: int) -> None:
+        """Called by the coordinator before committing checkpoint number ``seq``: owe it to persistent
+        storage if ``persist_every`` says so (the hold is in place before the checkpoint is visible)."""
+        if self.target is not None and self.persist_every is not None and seq % self.persist_every == 0:
+            Progress(self.layout, checkpoint_id).request(f"persist_every={self.persist_every}")
+
+    def persist(self, checkpoint_id: str) -> None:
+        """Upload committed checkpoint ``checkpoint_id`` in the background (returns at once; see
+        ``wait_persisted``). Also retries one whose upload failed. Call it on one rank per node or on all."""
+        self._check_open()
+        if self.target is None:
+            raise ValueError(
+                "this MemStore has no persist_to; pass persist_to='s3://bucket/prefix' or a directory"
+            )
+        cid = validate_name(checkpoint_id)
+        if catalog.read_commit(self.layout, cid) is None:
+            if remote_commit(self.target, cid) is not None:
+                return
+            self.require_checkpoint(cid)
+        Progress(self.layout, cid).request("on demand")
+        if self._persister is not None:
+            self._persister.wake()
+
+    def status(self, checkpoint_id: str) -> CheckpointStatus:
+        """Where ``checkpoint_id`` is: in this node's memory, and its upload state (see CheckpointStatus)."""
+        cid = validate_name(checkpoint_id)
+        in_memory = catalog.read_commit(self.layout, cid) is not None
+        if self.target is None:
+            if not in_memory:
+                self.require_checkpoint(cid)
+            return CheckpointStatus(cid, in_memory, "off")
+        url = self.target.url_of(cid)
+        if not in_memory:
+            if remote_commit(self.target, cid) is None:
+                self.open_checkpoint(cid)  # raises FileNotFoundError naming what exists
+            return CheckpointStatus(cid, False, "persisted", persisted_url=url)
+        progress = Progress(self.layout, cid)
+        files = len(Manifest.read(self.layout.checkpoint_dir(cid) / MANIFEST).files)
+        counts = {"files_uploaded": min(files, len(progress.done_files())), "files_total": files}
+        if progress.persisted():
+            return CheckpointStatus(cid, True, "persisted", persisted_url=url, **counts)
+        if not progress.owed():
+            return CheckpointStatus(cid, True, "not requested", **counts)
+        states = {s.get("state"): s.get("error") for s in progress.states()}
+        for state in ("failed", "retrying", "uploading"):
+            if state in states:
+                return CheckpointStatus(cid, True, state, error=states[state], **counts)
+        return CheckpointStatus(cid, True, "queued", **counts)
+
+    def wait_persisted(self, checkpoint_id: str, timeout: float | None = None) -> CheckpointStatus:
+        """Block until ``checkpoint_id`` is persisted. Raises PersistError if its upload failed for good,
+        ValueError if nothing will upload it (not requested: call ``persist(id)``), TimeoutError after
+        ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            st = self.status(checkpoint_id)
+            if st.persisted:
+                return st
+            if st.persist == "failed":
+                raise PersistError(
+                    f"persisting checkpoint {st.checkpoint_id!r} to {self.target.url} failed: {st.error}"
+                )
+            if st.persist in ("off", "not requested"):
+                raise ValueError(
+                    f"checkpoint {st.checkpoint_id!r} is not being persisted ({st.persist}); "
+                    "use MemStore(persist_to=...) and store.persist(id)"
+                )
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"checkpoint {st.checkpoint_id!r} not persisted after {timeout} s: {st.persist}"
+                    f"{' (' + st.error + ')' if st.error else ''}"
+                )
+            time.sleep(0.05)
+
+    def check_space(self, needed: int, reusable: int = 0) -> None:
+        """Raise InsufficientSpaceError unless ``needed`` bytes fit (see ``space.check_space``). When
+        checkpoints owed to persistent storage fill memory, say so, or wait for them (persist_backlog)."""
+        deadline = time.monotonic() + self.stage_timeout_s
+        while True:
+            try:
+                space.check_space(self.layout.root, needed, reusable)
+                return
+            except InsufficientSpaceError as e:
+                owed = [
+                    r.checkpoint_id
+                    for r in catalog.committed(self.layout)
+                    if Progress(self.layout, r.checkpoint_id).owed()
+                ]
+                if not owed:
+                    raise
+                if self.persist_backlog == "wait" and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                    continue
+                raise InsufficientSpaceError(
+                    e.root,
+                    e.needed,
+                    e.free,
+                    f"{len(owed)} checkpoint(s) held in memory until uploaded to {self.target.url}: {owed}; "
+                    "uploads are behind saves (see store.status(id)); persist less often or use "
+                    "persist_backlog='wait'",
+                ) from None
+
+    def delete(self, checkpoint_id: str) -> None:
+        """Remove a committed checkpoint from this node's store."""
+        catalog.discard(self.layout, self.require_checkpoint(checkpoint_id))
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish with the store. With persistence: owe the newest checkpoint (``persist_on_close``) and
+        wait up to ``timeout`` seconds (None: until done) for owed uploads; uploads not finished by then
+        resume when the job starts again. Committed checkpoints stay on tmpfs."""
+        if self._closed:
+            return
+        try:
+            if self._persister is not None:
+                self._drain(timeout)
+        finally:
+            if self._persister is not None:
+                self._persister.release()
+                self._persister = None
+            MAPPINGS.prune()
+            self._closed = True
+
+    def _drain(self, timeout: float | None) -> None:
+        recs = catalog.committed(self.layout)
+        if self.persist_on_close and recs:
+            self.persist(recs[-1].checkpoint_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for rec in recs:
+            if not Progress(self.layout, rec.checkpoint_id).owed():
+                continue
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                self.wait_persisted(rec.checkpoint_id, left)
+            except (PersistError, TimeoutError) as e:
+                log.warning(
+                    "closing with checkpoint %r not persisted (resumes at next start): %s",
+                    rec.checkpoint_id,
+                    e,
+                )
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_persister"] = None  # the persister thread stays in the process that made the store
+        return state
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"MemStore {self.layout.job_dir} is closed")
+
+    def __enter__(self) -> MemStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"MemStore(root={str(self.layout.root)!r}, job_id={self.job_id!r}, keep_in_memory={self.keep_in_memory})"

@@ -1,0 +1,79 @@
+"""Upload one shard file of a committed checkpoint in the standard DCP layout.
+
+Each local file ``__<rank>_<k>.shard`` (or ``__<rank>_objects.bin``) becomes one remote file
+``__<rank>_<k>.distcp``: its items in order, tensors framed by ``torch.save`` and serialized values as raw
+bytes, exactly what stock ``FileSystemReader``/``FsspecReader`` read. Bytes stream from the tmpfs mapping
+into the file system's writer (for s3fs: multipart parts of ``block_size``), so memory used per upload is
+one part, whatever the file's size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from dcp_memstore.dcp.metadata_codec import dtype_from_name
+from dcp_memstore.persist.framing import write_framed
+from dcp_memstore.persist.target import PersistTarget
+from dcp_memstore.store.checksum import memory_view
+from dcp_memstore.store.manifest import ManifestItem
+from dcp_memstore.store.mapping import MAPPINGS
+
+BLOCK_SIZE = 16 << 20  # multipart part size: bounds the persister's memory per concurrent upload
+
+
+def remote_name(local_name: str) -> str:
+    """The persisted file name for local shard file ``local_name``."""
+    return local_name.rsplit(".", 1)[0] + ".distcp"
+
+
+@dataclass(frozen=True)
+class PersistedItem:
+    """Where one item landed in its remote file: the stock-DCP slice (``offset``, ``length``) and, inside it,
+    where the raw bytes start (``payload``, relative to the file)."""
+
+    index: int  # position of the item in the local manifest
+    offset: int
+    length: int
+    payload: int
+
+    def to_record(self) -> list[int]:
+        return [self.index, self.offset, self.length, self.payload]
+
+    @classmethod
+    def from_record(cls, r: list) -> PersistedItem:
+        return cls(*(int(x) for x in r))
+
+
+def upload_file(
+    target: PersistTarget,
+    checkpoint_id: str,
+    local_dir: Path,
+    file: str,
+    items: list[tuple[int, ManifestItem]],
+) -> list[PersistedItem]:
+    """Upload local ``file`` (whose items, with their manifest positions, are ``items``) and return where
+    each item landed. Raises whatever the file system raises; a partial upload is never referenced."""
+    mf = MAPPINGS.map_path(local_dir / file)
+    path = target.path(checkpoint_id, remote_name(file))
+    if target.is_local:  # object stores have no directories (and making one could create a bucket)
+        target.fs.makedirs(target.path(checkpoint_id), exist_ok=True)
+    placed: list[PersistedItem] = []
+    pos = 0
+    with target.fs.open(path, "wb", block_size=BLOCK_SIZE) as out:
+        for index, item in sorted(items, key=lambda x: x[1].location.offset):
+            loc = item.location
+            if loc.offset + loc.length > mf.size:
+                raise ValueError(f"{local_dir / file} is shorter than its manifest says ({item.fqn})")
+            data = memory_view(mf.address + loc.offset, loc.length)
+            if loc.dtype is None:
+                out.write(data)
+                length, payload = loc.length, 0
+            else:
+                length, payload = write_framed(out, data, dtype_from_name(loc.dtype), loc.shape)
+            placed.append(PersistedItem(index, pos, length, pos + payload))
+            pos += length
+    size = target.fs.size(path)
+    if size != pos:
+        raise OSError(f"{path}: uploaded {size} bytes, expected {pos}")
+    return placed

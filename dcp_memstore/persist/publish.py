@@ -1,0 +1,107 @@
+"""Publishing a persisted checkpoint, and finding published ones.
+
+Each rank records every file it uploaded as a part record (``.dcp_memstore/parts/<file>``). When all the
+checkpoint's files have parts, the publisher writes, in this order: our manifest (remote locations and
+checksums, msgpack), the stock ``.metadata`` (pickled DCP Metadata, what stock readers look for), and last
+our COMMITTED marker. Each is one atomic object; before ``.metadata`` exists neither stock DCP nor we take
+the directory for a checkpoint, and we list only directories with COMMITTED.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import msgpack
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import MetadataIndex
+
+from dcp_memstore.dcp.metadata_codec import decode_metadata
+from dcp_memstore.persist.export import PersistedItem, remote_name
+from dcp_memstore.persist.target import COMMITTED, MANIFEST, PARTS, STOCK_METADATA, PersistTarget
+from dcp_memstore.store.catalog import CommitRecord
+from dcp_memstore.store.manifest import Manifest, ManifestItem, ShardLocation
+
+
+def write_part(target: PersistTarget, checkpoint_id: str, file: str, placed: list[PersistedItem]) -> None:
+    """Record that ``file`` is uploaded and where its items are."""
+    body = msgpack.packb({"items": [p.to_record() for p in placed]})
+    target.put_atomic(target.path(checkpoint_id, PARTS, file), body)
+
+
+def read_parts(target: PersistTarget, checkpoint_id: str) -> dict[str, list[PersistedItem]]:
+    """The part records uploaded so far, by local file name."""
+    fs = target.fs
+    directory = target.path(checkpoint_id, PARTS)
+    try:
+        paths = [
+            p
+            for p in fs.ls(directory, detail=False, refresh=True)
+            if not p.rsplit("/", 1)[-1].startswith(".")
+        ]
+    except FileNotFoundError:
+        return {}
+    out: dict[str, list[PersistedItem]] = {}
+    for path, body in fs.cat(paths, on_error="omit").items():
+        out[path.rsplit("/", 1)[-1]] = [PersistedItem.from_record(x) for x in msgpack.unpackb(body)["items"]]
+    return out
+
+
+def publish(
+    target: PersistTarget, manifest: Manifest, commit: CommitRecord, parts: dict[str, list[PersistedItem]]
+) -> None:
+    """Make the persisted checkpoint visible (all of ``manifest``'s files must be in ``parts``)."""
+    cid = manifest.checkpoint_id
+    missing = sorted(set(manifest.files) - set(parts))
+    if missing:
+        raise ValueError(f"cannot publish {cid!r}: files not uploaded yet: {missing}")
+    placed = {p.index: (file, p) for file, ps in parts.items() for p in ps}
+    remote_items: list[ManifestItem] = []
+    storage: dict[MetadataIndex, _StorageInfo] = {}
+    for i, it in enumerate(manifest.items):
+        file, p = placed[i]
+        loc = it.location
+        name = remote_name(file)
+        remote_items.append(
+            ManifestItem(
+                it.fqn,
+                it.chunk_offset,
+                ShardLocation(name, p.payload, loc.length, loc.checksum, loc.dtype, loc.shape),
+            )
+        )
+        storage[MetadataIndex(it.fqn, it.chunk_offset)] = _StorageInfo(name, p.offset, p.length)
+    remote = Manifest(cid, manifest.world_size, remote_items, manifest.dcp, manifest.created)
+    target.put_atomic(target.path(cid, MANIFEST), msgpack.packb(remote.to_record()))
+    target.put_atomic(target.path(cid, STOCK_METADATA), pickle.dumps(decode_metadata(manifest.dcp, storage)))
+    marker = {"seq": commit.seq, "committed_at": commit.committed_at, "nbytes": commit.nbytes}
+    target.put_atomic(target.path(cid, COMMITTED), msgpack.packb(marker))
+
+
+def remote_commit(target: PersistTarget, checkpoint_id: str) -> CommitRecord | None:
+    """The commit record of persisted checkpoint ``checkpoint_id``, or None if it is not (fully) persisted."""
+    try:
+        r = msgpack.unpackb(target.fs.cat_file(target.path(checkpoint_id, COMMITTED)))
+    except FileNotFoundError:
+        return None
+    return CommitRecord(checkpoint_id, int(r["seq"]), float(r["committed_at"]), int(r["nbytes"]))
+
+
+def remote_committed(target: PersistTarget) -> list[CommitRecord]:
+    """Every fully persisted checkpoint under the target, oldest commit first."""
+    fs = target.fs
+    try:
+        markers = fs.glob(f"{target.root}/*/{COMMITTED}")
+    except FileNotFoundError:
+        return []
+    if not markers:
+        return []
+    out = []
+    for path, body in fs.cat(markers, on_error="omit").items():
+        cid = path[len(target.root) + 1 :].split("/", 1)[0]
+        r = msgpack.unpackb(body)
+        out.append(CommitRecord(cid, int(r["seq"]), float(r["committed_at"]), int(r["nbytes"])))
+    return sorted(out, key=lambda r: (r.committed_at, r.seq))
+
+
+def read_remote_manifest(target: PersistTarget, checkpoint_id: str) -> Manifest:
+    """Our manifest of a persisted checkpoint (remote file names, payload offsets, checksums)."""
+    return Manifest.from_record(msgpack.unpackb(target.fs.cat_file(target.path(checkpoint_id, MANIFEST))))

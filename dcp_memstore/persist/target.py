@@ -1,0 +1,104 @@
+"""Where persisted checkpoints go: an fsspec file system and a root path in it, from ``persist_to``.
+
+``persist_to`` is an fsspec URL (``s3://bucket/prefix``, ``gs://…``, ``file:///…``) or a plain directory.
+A checkpoint ``step-100`` lands in ``<root>/step-100/`` in the standard DCP layout, with our own manifest
+and commit marker in ``<root>/step-100/.dcp_memstore/``. The file system is created lazily (and again in
+each process), so the target is cheap to build and safe to pickle.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from typing import Any
+
+import fsspec
+from fsspec.core import url_to_fs
+
+OUR_DIR = ".dcp_memstore"
+COMMITTED = f"{OUR_DIR}/COMMITTED"
+MANIFEST = f"{OUR_DIR}/manifest.msgpack"
+PARTS = f"{OUR_DIR}/parts"
+STOCK_METADATA = ".metadata"
+
+
+class PersistTarget:
+    """An fsspec location for persisted checkpoints (see module docstring)."""
+
+    def __init__(self, persist_to: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> None:
+        if not isinstance(persist_to, str | os.PathLike) or not str(persist_to):
+            raise ValueError(
+                f"persist_to must be a directory or an fsspec URL such as 's3://bucket/prefix', got {persist_to!r}"
+            )
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise TypeError(f"storage_options must be a dict, got {type(storage_options).__name__}")
+        url = os.fspath(persist_to)
+        if "://" not in url:
+            url = os.path.abspath(os.path.expanduser(url))
+        self.url = url.rstrip("/")
+        self.storage_options = dict(storage_options or {})
+        protocol = self.url.split("://", 1)[0] if "://" in self.url else "file"
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except (ImportError, ValueError) as e:
+            extra = " (pip install 'dcp_memstore[s3]')" if protocol in ("s3", "s3a") else ""
+            raise ValueError(f"persist_to={persist_to!r}: no usable fsspec file system{extra}: {e}") from e
+        self._local = threading.local()
+
+    @property
+    def fs(self) -> fsspec.AbstractFileSystem:
+        """This process's file system object (made on first use)."""
+        fs = getattr(self._local, "fs", None)
+        if fs is None or getattr(self._local, "pid", None) != os.getpid():
+            fs, root = url_to_fs(self.url, **self.storage_options)
+            self._local.fs, self._local.root, self._local.pid = fs, root.rstrip("/"), os.getpid()
+        return fs
+
+    @property
+    def root(self) -> str:
+        """The root path inside ``fs`` (no protocol)."""
+        self.fs  # noqa: B018 - resolves root with the file system
+        return self._local.root
+
+    @property
+    def is_local(self) -> bool:
+        return "file" in _protocols(self.fs)
+
+    def path(self, checkpoint_id: str, *parts: str) -> str:
+        """Path of ``parts`` inside checkpoint ``checkpoint_id``'s directory."""
+        return "/".join((self.root, checkpoint_id, *parts))
+
+    def url_of(self, checkpoint_id: str) -> str:
+        """The URL of a persisted checkpoint, as stock ``dcp.load(checkpoint_id=...)`` takes it."""
+        return f"{self.url}/{checkpoint_id}"
+
+    def put_atomic(self, path: str, data: bytes) -> None:
+        """Write a small object so that it appears whole or not at all (object stores: one PUT; local
+        file systems: write a temporary name, then rename)."""
+        fs = self.fs
+        if self.is_local:
+            fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        else:
+            fs.pipe_file(path, data)
+
+    def __getstate__(self) -> dict:
+        return {"url": self.url, "storage_options": self.storage_options}
+
+    def __setstate__(self, state: dict) -> None:
+        self.url, self.storage_options = state["url"], state["storage_options"]
+        self._local = threading.local()
+
+    def __repr__(self) -> str:
+        return f"PersistTarget({self.url!r})"
+
+
+def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    p = fs.protocol
+    return (p,) if isinstance(p, str) else tuple(p)

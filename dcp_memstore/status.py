@@ -1,0 +1,32 @@
+"""``CheckpointStatus``: where one checkpoint is, tier by tier, as ``MemStore.status`` reports it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PERSIST_STATES = ("off", "not requested", "queued", "uploading", "retrying", "failed", "persisted")
+
+
+@dataclass(frozen=True)
+class CheckpointStatus:
+    """The state of checkpoint ``checkpoint_id``.
+
+    ``in_memory``: committed in this node's tmpfs. ``persist``: one of ``off`` (the store has no
+    ``persist_to``), ``not requested`` (the policy did not pick it; ``store.persist(id)`` does),
+    ``queued``, ``uploading``, ``retrying`` (a transient error; ``error`` says which), ``failed`` (a
+    permanent error such as refused credentials or a missing bucket; ``store.persist(id)`` tries again) or
+    ``persisted`` (published at ``persisted_url``). ``files_uploaded``/``files_total`` count this node's
+    shard files of the checkpoint.
+    """
+
+    checkpoint_id: str
+    in_memory: bool
+    persist: str
+    error: str | None = None
+    persisted_url: str | None = None
+    files_uploaded: int = 0
+    files_total: int = 0
+
+    @property
+    def persisted(self) -> bool:
+        return self.persist == "persisted"
