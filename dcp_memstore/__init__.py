@@ -2,7 +2,8 @@
 
 ``MemoryStorageWriter`` writes each rank's shards to a node-local tmpfs (through the pinned tmpfs mapping
 for GPU tensors), ``MemoryStorageReader`` reads them back zero-copy, and ``MemStore`` owns the store:
-layout, commit protocol, retention and the newest-checkpoint query.
+layout, commit protocol, retention, the newest-checkpoint query, and the background persister that
+flushes chosen checkpoints to object or file storage in the standard DCP layout.
 """
 
 from dcp_memstore.dcp.reader import MemoryStorageReader
@@ -11,9 +12,11 @@ from dcp_memstore.errors import (
     CheckpointExistsError,
     ChecksumMismatchError,
     InsufficientSpaceError,
+    PersistError,
     StagingTimeoutError,
 )
 from dcp_memstore.memstore import MemStore
+from dcp_memstore.status import CheckpointStatus
 
 __version__ = "0.1.0"
 
@@ -24,6 +27,8 @@ __all__ = [
     "ChecksumMismatchError",
     "CheckpointExistsError",
     "InsufficientSpaceError",
+    "PersistError",
+    "CheckpointStatus",
     "StagingTimeoutError",
     "__version__",
 ]

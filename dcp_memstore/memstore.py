@@ -26,6 +26,7 @@ from dcp_memstore.store.ids import validate_name
 from dcp_memstore.store.layout import MANIFEST, StoreLayout
 from dcp_memstore.store.manifest import Manifest
 from dcp_memstore.store.mapping import MAPPINGS
+from dcp_memstore.store.pool import FilePool
 
 log = logging.getLogger(__name__)
 
@@ -216,14 +217,13 @@ class MemStore:
         persisted = ""
         if self.target is not None:
             try:
-                persisted = f"; persisted in {self.target.url}: " + (
-                    str([r.checkpoint_id for r in remote_committed(self.target)]) or "none"
-                )
+                names = [r.checkpoint_id for r in remote_committed(self.target)]
+                persisted = f"; persisted in {self.target.url}: {names or 'none'}"
             except Exception as e:  # noqa: BLE001 - say why the persistent tier was not searched
                 persisted = f"; persistent storage {self.target.url} unreachable: {e}"
         raise FileNotFoundError(
             f"checkpoint {cid!r} not found in store {self.layout.job_dir}; "
-            f"committed checkpoints in memory: {self.list_checkpoints() or 'none'}{persisted}"
+            f"committed checkpoints: {self.list_checkpoints() or 'none'}{persisted}"
         )
 
     def _remote(self, cid: str) -> RemoteCheckpoint | None:
@@ -314,13 +314,14 @@ class MemStore:
                 )
             time.sleep(0.05)
 
-    def check_space(self, needed: int, reusable: int = 0) -> None:
-        """Raise InsufficientSpaceError unless ``needed`` bytes fit (see ``space.check_space``). When
-        checkpoints owed to persistent storage fill memory, say so, or wait for them (persist_backlog)."""
+    def check_space(self, needed: int, rank: int) -> None:
+        """Raise InsufficientSpaceError unless ``needed`` bytes fit in free space plus rank ``rank``'s pool
+        of reusable files. When checkpoints owed to persistent storage fill memory, say so, or wait for
+        their uploads to free it (persist_backlog)."""
         deadline = time.monotonic() + self.stage_timeout_s
         while True:
             try:
-                space.check_space(self.layout.root, needed, reusable)
+                space.check_space(self.layout.root, needed, FilePool(self.layout, rank).reusable_bytes())
                 return
             except InsufficientSpaceError as e:
                 owed = [

@@ -85,7 +85,7 @@ class RankWrite:
             next_index += 1
         # Checked again here because with plan caching DCP hands prepare_local_plan an empty plan.
         needed = sum(t.numel() * t.element_size() for _, t in to_copy) + sum(len(b) for _, b in objects)
-        self.store.check_space(needed, FilePool(self.store.layout, self.rank).reusable_bytes())
+        self.store.check_space(needed, self.rank)
         copy_files = self._place_copies(to_copy, next_index)
 
         jobs = [

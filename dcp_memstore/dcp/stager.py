@@ -76,7 +76,7 @@ class Stager:
             sizes = [t.numel() * t.element_size() for t in originals]
             placements, file_sizes = pack(sizes, self.store.io_threads)
             pool = FilePool(self.store.layout, rank)
-            self.store.check_space(sum(file_sizes), reusable=pool.reusable_bytes())
+            self.store.check_space(sum(file_sizes), rank)
             ticket = self.order.issue()
             slot = self.store.layout.staging_dir / slot_name(
                 rank, os.getpid(), ticket.seq, uuid.uuid4().hex[:8]

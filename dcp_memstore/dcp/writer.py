@@ -186,7 +186,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             )
         if self._current is None:  # not staged: this save copies every tensor into new shard files
             needed = sum(_nbytes(it) for it in plan.items)
-            self.store.check_space(needed, FilePool(self.store.layout, self.rank).reusable_bytes())
+            self.store.check_space(needed, self.rank)
         return plan
 
     @_releases_slot_on_error

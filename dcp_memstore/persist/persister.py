@@ -5,8 +5,8 @@ none is skipped; each stays in memory (a retention hold) until it is published. 
 saves, memory fills and the next save fails with an error that says so (or waits, see
 ``MemStore(persist_backlog=...)``): nothing owed is ever dropped.
 
-Work is split by file: the local ranks of a node share its checkpoint files round-robin (local rank r
-uploads files r, r + L, ...), each file with its own thread from the I/O pool. Rank 0 publishes once
+Work is split by file: each rank uploads the files it wrote (with a different number of processes after
+a restart, local rank r takes the files of ranks r, r + L, ...), each file on its own thread of the pool. Rank 0 publishes once
 every file has a part record. Errors: a missing bucket, refused credentials or a broken manifest stop the
 checkpoint's uploads with state "failed" (logged; ``store.persist(id)`` retries it); anything else (the
 server down, timeouts) is retried with exponential backoff, state "retrying".
@@ -27,7 +27,8 @@ from dcp_memstore.persist.progress import Progress
 from dcp_memstore.persist.publish import publish, read_parts, remote_commit, write_part
 from dcp_memstore.persist.target import PersistTarget
 from dcp_memstore.store import catalog
-from dcp_memstore.store.layout import MANIFEST, StoreLayout
+from dcp_memstore.store.faults import crash_point
+from dcp_memstore.store.layout import MANIFEST, StoreLayout, file_rank
 from dcp_memstore.store.manifest import Manifest
 from dcp_memstore.store.threads import run_parallel
 
@@ -150,7 +151,9 @@ class Persister:
             by_file.setdefault(it.location.file, []).append((i, it))
         local_rank, local_size = local_rank_and_size()
         done = progress.done_files()
-        todo = [f for k, f in enumerate(sorted(by_file)) if k % local_size == local_rank and f not in done]
+        todo = [
+            f for f in sorted(by_file) if (file_rank(f) or 0) % local_size == local_rank and f not in done
+        ]
         if todo:
             progress.report(rank, "uploading")
 
@@ -158,6 +161,7 @@ class Persister:
                 placed = upload_file(self.target, cid, local_dir, file, by_file[file])
                 write_part(self.target, cid, file, placed)
                 progress.mark_done(file)
+                crash_point("persist-upload", rank)
 
             run_parallel(one, todo, self.io_threads, pool="persist")
         if not progress.done_files() >= set(by_file):
@@ -172,7 +176,9 @@ class Persister:
             parts = read_parts(self.target, cid)
             if not set(by_file) <= set(parts):
                 return
-            publish(self.target, manifest, rec, parts)
+            publish(
+                self.target, manifest, rec, parts, before_marker=lambda: crash_point("persist-publish", rank)
+            )
             log.info("checkpoint %r persisted to %s", cid, self.target.url_of(cid))
         progress.mark_persisted()
         progress.report(rank, "persisted")

@@ -10,6 +10,7 @@ the directory for a checkpoint, and we list only directories with COMMITTED.
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 
 import msgpack
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -47,9 +48,14 @@ def read_parts(target: PersistTarget, checkpoint_id: str) -> dict[str, list[Pers
 
 
 def publish(
-    target: PersistTarget, manifest: Manifest, commit: CommitRecord, parts: dict[str, list[PersistedItem]]
+    target: PersistTarget,
+    manifest: Manifest,
+    commit: CommitRecord,
+    parts: dict[str, list[PersistedItem]],
+    before_marker: Callable[[], None] = lambda: None,
 ) -> None:
-    """Make the persisted checkpoint visible (all of ``manifest``'s files must be in ``parts``)."""
+    """Make the persisted checkpoint visible (all of ``manifest``'s files must be in ``parts``).
+    ``before_marker`` runs between ``.metadata`` and the COMMITTED marker (a crash point for tests)."""
     cid = manifest.checkpoint_id
     missing = sorted(set(manifest.files) - set(parts))
     if missing:
@@ -72,6 +78,7 @@ def publish(
     remote = Manifest(cid, manifest.world_size, remote_items, manifest.dcp, manifest.created)
     target.put_atomic(target.path(cid, MANIFEST), msgpack.packb(remote.to_record()))
     target.put_atomic(target.path(cid, STOCK_METADATA), pickle.dumps(decode_metadata(manifest.dcp, storage)))
+    before_marker()
     marker = {"seq": commit.seq, "committed_at": commit.committed_at, "nbytes": commit.nbytes}
     target.put_atomic(target.path(cid, COMMITTED), msgpack.packb(marker))
 

@@ -3,7 +3,8 @@
 Set ``DCP_MEMSTORE_CRASH_AT`` to one of ``CRASH_POINTS`` (optionally ``POINT:RANK`` to crash only that
 rank, ``POINT:RANK:N`` to crash the Nth time the point is reached on that rank) and the process kills
 itself with SIGKILL when it gets there. It exists so tests can prove that a crash at each step of the
-commit protocol leaves the previous checkpoint loadable; with the variable unset it does nothing.
+commit protocol (and of publication to persistent storage) leaves a consistent state; with the
+variable unset it does nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ CRASH_POINTS = (
     "write-data",  # in write_data(), after checksums, before the files are named into the checkpoint
     "before-commit",  # in finish(), manifest written, COMMITTED marker not yet
     "after-commit",  # in finish(), right after the COMMITTED marker, before eviction
+    "persist-upload",  # in the persister, after one file is uploaded and recorded
+    "persist-publish",  # in the persister, manifest and .metadata published, COMMITTED marker not yet
 )
 _hits: dict[str, int] = {}
 

@@ -22,6 +22,7 @@ OWNER = "OWNER"
 HOLDS = "holds"
 SHARD_SUFFIX = ".shard"
 _SHARD_RE = re.compile(r"__(\d+)_(\d+)\.shard")
+_FILE_RANK_RE = re.compile(r"__(\d+)_(?:\d+\.shard|objects\.bin)")
 _SLOT_RE = re.compile(r"r(\d+)-p(\d+)-s(\d+)-[0-9a-f]+")
 _NEW_RE = re.compile(r"\.new-(\d+)-[0-9a-f]+")
 
@@ -39,6 +40,12 @@ def objects_name(rank: int) -> str:
 def shard_rank(name: str) -> int | None:
     """The rank that wrote shard file ``name``, or None if ``name`` is not a shard file."""
     m = _SHARD_RE.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def file_rank(name: str) -> int | None:
+    """The rank that wrote checkpoint data file ``name`` (shard or objects file), or None."""
+    m = _FILE_RANK_RE.fullmatch(name)
     return int(m.group(1)) if m else None
 
 

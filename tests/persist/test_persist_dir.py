@@ -1,0 +1,257 @@
+"""Persistence to a plain directory: policy, standard layout, publication, retention holds, fallback reads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dcp_memstore import MemStore, PersistError
+from dcp_memstore.persist.target import COMMITTED, STOCK_METADATA
+from dcp_memstore.store import catalog
+from tests.dcp.dcp_state import assert_tree_equal, blank_like, load, save, snapshot
+
+
+def _state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(64, 33, generator=g),
+        "half": torch.randn(17, generator=g).to(torch.bfloat16),
+        "ids": torch.randint(0, 1 << 30, (5, 4), generator=g),
+        "flag": torch.tensor([True, False, True]),
+        "empty": torch.empty(0, 3),
+        "scalar": torch.tensor(2.5),
+        "step": seed,
+        "meta": {"name": "run", "lr": [0.1, 0.01]},
+    }
+
+
+@pytest.fixture
+def bucket_dir(tmp_path):
+    return tmp_path / "persisted"
+
+
+def _pstore(shm_dir, bucket_dir, **kw) -> MemStore:
+    return MemStore(root=shm_dir, job_id="job", io_threads=2, persist_to=str(bucket_dir), **kw)
+
+
+def test_every_nth_checkpoint_is_persisted_and_others_are_not(shm_dir, bucket_dir):
+    with _pstore(shm_dir, bucket_dir, persist_every=2, keep_in_memory=4, persist_on_close=False) as store:
+        for i in range(1, 5):
+            save(store, _state(i), f"step-{i}")
+        store.wait_persisted("step-2", timeout=60)
+        store.wait_persisted("step-4", timeout=60)
+        assert store.status("step-1").persist == "not requested"
+        assert store.status("step-3").persist == "not requested"
+        assert store.status("step-4").persisted
+        assert store.status("step-4").files_uploaded == store.status("step-4").files_total == 3
+        with pytest.raises(ValueError, match="not being persisted"):
+            store.wait_persisted("step-3", timeout=1)
+    assert sorted(p.name for p in bucket_dir.iterdir()) == ["step-2", "step-4"]
+
+
+def test_persisted_checkpoint_loads_with_stock_pytorch_without_dcp_memstore(shm_dir, bucket_dir):
+    sd = _state(7)
+    with _pstore(shm_dir, bucket_dir) as store:
+        save(store, sd, "final")
+        store.persist("final")
+        store.wait_persisted("final", timeout=60)
+    torch.save(snapshot(sd), bucket_dir / "expected.pt")
+    script = f"""
+import sys
+sys.modules["dcp_memstore"] = None  # any import of our package fails
+import torch, torch.distributed.checkpoint as dcp
+expected = torch.load({str(bucket_dir / "expected.pt")!r})
+out = {{k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else v) for k, v in expected.items()}}
+out["step"], out["meta"] = 0, {{"name": "", "lr": [0.0, 0.0]}}
+dcp.load(out, storage_reader=dcp.FileSystemReader({str(bucket_dir / "final")!r}))
+for k, v in expected.items():
+    if isinstance(v, torch.Tensor):
+        assert out[k].dtype == v.dtype and torch.equal(out[k], v), k
+    else:
+        assert out[k] == v, (k, out[k], v)
+assert "dcp_memstore" not in repr(open({str(bucket_dir / "final" / STOCK_METADATA)!r}, "rb").read())
+print("STOCK-OK")
+"""
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "STOCK-OK" in res.stdout, res.stderr[-3000:]
+
+
+def test_close_persists_the_newest_checkpoint(shm_dir, bucket_dir):
+    store = _pstore(shm_dir, bucket_dir)
+    save(store, _state(1), "a")
+    save(store, _state(2), "b")
+    assert store.status("b").persist == "not requested"
+    store.close()
+    assert (bucket_dir / "b" / COMMITTED).exists()
+    assert not (bucket_dir / "a").exists()
+
+
+def test_empty_tmpfs_restores_newest_persisted_checkpoint(shm_dir, bucket_dir, tmp_path):
+    sd = _state(3)
+    with _pstore(shm_dir, bucket_dir, persist_every=1) as store:
+        save(store, _state(2), "old")
+        save(store, sd, "new")
+        store.wait_persisted("new", timeout=60)
+    fresh_root = Path(str(shm_dir) + "-fresh")
+    try:
+        with MemStore(root=fresh_root, job_id="job", persist_to=str(bucket_dir)) as fresh:
+            assert fresh.list_checkpoints() == []
+            assert fresh.latest_checkpoint() == "new"
+            assert fresh.status("new").persisted and not fresh.status("new").in_memory
+            assert_tree_equal(sd, load(fresh, blank_like(sd), "new"))
+    finally:
+        subprocess.run(["rm", "-rf", str(fresh_root)], check=True)
+
+
+@pytest.mark.parametrize("damage", ["delete", "corrupt"])
+def test_reader_falls_back_per_file_to_the_persisted_copy(shm_dir, bucket_dir, damage):
+    sd = _state(4)
+    with _pstore(shm_dir, bucket_dir, persist_every=1) as store:
+        save(store, sd, "c")
+        store.wait_persisted("c", timeout=60)
+        victim = store.layout.checkpoint_dir("c") / "__0_0.shard"
+        if damage == "delete":
+            victim.unlink()
+        else:
+            with open(victim, "r+b") as f:
+                f.seek(0)
+                byte = f.read(1)
+                f.seek(0)
+                f.write(bytes([byte[0] ^ 0xFF]))
+        assert_tree_equal(sd, load(store, blank_like(sd), "c"))
+
+
+def test_damaged_local_copy_without_persisted_copy_still_fails(shm_dir, bucket_dir):
+    sd = _state(5)
+    with _pstore(shm_dir, bucket_dir, persist_on_close=False) as store:
+        save(store, sd, "c")
+        (store.layout.checkpoint_dir("c") / "__0_0.shard").unlink()
+        with pytest.raises(BaseException, match="__0_0.shard"):  # noqa: B017 - DCP wraps it
+            load(store, blank_like(sd), "c")
+
+
+def test_retention_keeps_owed_checkpoints_until_persisted(shm_dir, tmp_path):
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_bytes(b"")  # persist_to is a file: uploads fail (NotADirectoryError: permanent)
+    with MemStore(
+        root=shm_dir,
+        job_id="job",
+        keep_in_memory=1,
+        persist_to=str(blocked),
+        persist_every=1,
+        persist_on_close=False,
+    ) as store:
+        for i in range(3):
+            save(store, _state(i), f"s{i}")
+        assert store.list_checkpoints() == ["s0", "s1", "s2"]  # keep_in_memory=1, but all are owed
+        deadline = time.monotonic() + 30
+        while store.status("s0").persist != "failed" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        st = store.status("s0")
+        assert st.persist == "failed" and "not-a-dir" in st.error
+        with pytest.raises(PersistError, match="not-a-dir"):
+            store.wait_persisted("s0", timeout=10)
+
+
+def test_persist_on_demand_and_retry_after_failure(shm_dir, tmp_path):
+    target = tmp_path / "late"
+    target.write_bytes(b"")  # first attempt fails for good
+    with MemStore(root=shm_dir, job_id="job", persist_to=str(target), persist_on_close=False) as store:
+        save(store, _state(1), "x")
+        store.persist("x")
+        with pytest.raises(PersistError):
+            store.wait_persisted("x", timeout=30)
+        target.unlink()  # fixed
+        store.persist("x")  # retries
+        assert store.wait_persisted("x", timeout=60).persisted
+        assert catalog.holds(store.layout, "x") == []
+
+
+def test_full_memory_of_owed_checkpoints_is_a_clear_error(small_tmpfs, tmp_path):
+    blocked = tmp_path / "blocked"
+    blocked.write_bytes(b"")
+    sd = {"w": torch.randn(512, 1024)}  # 2 MiB per checkpoint in an 8 MiB tmpfs
+    with MemStore(
+        root=small_tmpfs,
+        job_id="job",
+        keep_in_memory=1,
+        io_threads=1,
+        persist_to=str(blocked),
+        persist_every=1,
+        persist_on_close=False,
+    ) as store:
+        saved = []
+        with pytest.raises(BaseException) as ei:  # noqa: B017 - DCP wraps it
+            for i in range(5):
+                save(store, sd, f"s{i}")
+                saved.append(f"s{i}")
+        assert "held in memory until uploaded" in str(ei.value)
+        assert store.list_checkpoints() == saved and len(saved) >= 2
+        for cid in saved:
+            assert_tree_equal(sd, load(store, blank_like(sd), cid))
+
+
+def test_backlog_wait_lets_the_save_through_once_uploads_catch_up(small_tmpfs, tmp_path):
+    target = tmp_path / "slow"
+    target.write_bytes(b"")  # uploads fail until the target is fixed and they are retried
+    sd = {"w": torch.randn(512, 1024)}  # 2 MiB per checkpoint: at most three fit in the 8 MiB tmpfs
+    with MemStore(
+        root=small_tmpfs,
+        job_id="job",
+        keep_in_memory=1,
+        io_threads=1,
+        persist_to=str(target),
+        persist_every=1,
+        persist_backlog="wait",
+        stage_timeout_s=60,
+        persist_on_close=False,
+    ) as store:
+
+        def fix_later() -> None:
+            time.sleep(2.0)
+            target.unlink()
+            for cid in store.list_checkpoints():
+                store.persist(cid)
+
+        fixer = threading.Thread(target=fix_later)
+        t0 = time.monotonic()
+        fixer.start()
+        for i in range(5):
+            save(store, sd, f"s{i}")  # the ones that do not fit wait for uploads to free memory
+        fixer.join()
+        assert time.monotonic() - t0 >= 2.0
+        assert store.list_checkpoints()[-1] == "s4"
+        assert_tree_equal(sd, load(store, blank_like(sd), "s4"))
+
+
+def test_bad_persist_configuration_is_refused(shm_dir):
+    with pytest.raises(ValueError, match="persist_to"):
+        MemStore(root=shm_dir, job_id="job", persist_to="")
+    with pytest.raises(ValueError, match="no usable fsspec file system"):
+        MemStore(root=shm_dir, job_id="job", persist_to="nosuchproto://x/y")
+    with pytest.raises(ValueError, match="persist_every"):
+        MemStore(root=shm_dir, job_id="job", persist_to="/tmp/x", persist_every=0)
+    with pytest.raises(ValueError, match="need persist_to"):
+        MemStore(root=shm_dir, job_id="job", persist_every=2)
+    with pytest.raises(ValueError, match="persist_backlog"):
+        MemStore(root=shm_dir, job_id="job", persist_to="/tmp/x", persist_backlog="drop")
+    with MemStore(root=shm_dir, job_id="job") as plain:
+        save(plain, _state(), "a")
+        with pytest.raises(ValueError, match="no persist_to"):
+            plain.persist("a")
+        assert plain.status("a").persist == "off"
+
+
+def test_persist_of_an_unknown_checkpoint_names_those_that_exist(shm_dir, bucket_dir):
+    with _pstore(shm_dir, bucket_dir, persist_on_close=False) as store:
+        save(store, _state(), "a")
+        with pytest.raises(FileNotFoundError, match="'a'"):
+            store.persist("nope")
+        with pytest.raises(ValueError):
+            store.persist("../a")

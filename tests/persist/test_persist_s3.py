@@ -1,0 +1,201 @@
+"""Persistence against a real S3 server (SeaweedFS): stock loading, outages, bad credentials, crashes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dcp_memstore import MemStore, PersistError
+from dcp_memstore.persist.target import COMMITTED, STOCK_METADATA
+from tests.dcp.dcp_state import assert_tree_equal, blank_like, load, save
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _state(seed: int = 0, mib: int = 1) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(mib * 256, 1024, generator=g),
+        "b": torch.randn(33, generator=g).to(torch.bfloat16),
+        "step": seed,
+        "extra": {"tag": f"s{seed}"},
+    }
+
+
+def _store(root, url, server, **kw) -> MemStore:
+    kw.setdefault("persist_on_close", False)
+    return MemStore(
+        root=root, job_id="job", io_threads=2, persist_to=url, storage_options=server.storage_options(), **kw
+    )
+
+
+def _keys(server, url: str) -> list[str]:
+    bucket = url.removeprefix("s3://")
+    return sorted(p[len(bucket) + 1 :] for p in server.filesystem().find(bucket))
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def test_s3_roundtrip_loads_with_stock_fsspec_reader_and_from_empty_tmpfs(shm_dir, s3_bucket, tmp_path):
+    server, url = s3_bucket
+    sd = _state(1)
+    with _store(shm_dir, url, server, persist_every=1) as store:
+        save(store, sd, "step-1")
+        st = store.wait_persisted("step-1", timeout=120)
+        assert st.persisted_url == f"{url}/step-1"
+    keys = _keys(server, url)
+    assert "step-1/.metadata" in keys and f"step-1/{COMMITTED}" in keys
+    assert any(k.endswith(".distcp") for k in keys)
+
+    torch.save(sd, tmp_path / "expected.pt")
+    script = f"""
+import sys
+sys.modules["dcp_memstore"] = None  # stock PyTorch only
+import torch, torch.distributed.checkpoint as dcp
+expected = torch.load({str(tmp_path / "expected.pt")!r})
+out = {{"w": torch.zeros_like(expected["w"]), "b": torch.zeros_like(expected["b"]), "step": 0, "extra": {{"tag": ""}}}}
+dcp.load(out, checkpoint_id={f"{url}/step-1"!r}, no_dist=True)  # FsspecReader, credentials from the env
+assert torch.equal(out["w"], expected["w"]) and torch.equal(out["b"], expected["b"])
+assert out["step"] == expected["step"] and out["extra"] == expected["extra"], out
+print("STOCK-OK")
+"""
+    env = dict(
+        os.environ,
+        AWS_ACCESS_KEY_ID=server.key,
+        AWS_SECRET_ACCESS_KEY=server.secret,
+        AWS_ENDPOINT_URL=server.endpoint_url,
+        AWS_DEFAULT_REGION="us-east-1",
+    )
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180)
+    assert "STOCK-OK" in res.stdout, res.stderr[-3000:]
+
+    with _store(Path(str(shm_dir) + "-fresh"), url, server) as fresh:
+        try:
+            assert fresh.latest_checkpoint() == "step-1"
+            assert_tree_equal(sd, load(fresh, blank_like(sd), "step-1"))
+        finally:
+            subprocess.run(["rm", "-rf", str(fresh.layout.root)], check=True)
+
+
+def test_server_down_mid_upload_retries_while_training_goes_on(shm_dir, s3_bucket):
+    server, url = s3_bucket
+    states = [_state(i, mib=8) for i in range(3)]
+    with _store(shm_dir, url, server, persist_every=1, keep_in_memory=1) as store:
+        save(store, states[0], "s0")
+        _wait_for(lambda: store.status("s0").persist in ("uploading", "persisted"), 60, "upload start")
+        server.kill()  # mid-upload (or just after): the persister must retry, not lose or half-publish
+        t0 = time.monotonic()
+        save(store, states[1], "s1")  # training and saving go on while the store is down
+        save(store, states[2], "s2")
+        assert time.monotonic() - t0 < 30
+        if not store.status("s0").persisted:
+            _wait_for(lambda: store.status("s0").persist == "retrying", 90, "retrying state")
+            assert store.status("s0").error
+        assert store.list_checkpoints()[-2:] == ["s1", "s2"]  # owed ones are held past keep_in_memory=1
+        server.start()
+        for cid in ("s0", "s1", "s2"):
+            store.wait_persisted(cid, timeout=180)
+        _wait_for(lambda: store.list_checkpoints() == ["s2"], 30, "eviction of persisted checkpoints")
+    fresh_root = Path(str(shm_dir) + "-fresh")
+    try:
+        with _store(fresh_root, url, server) as fresh:
+            for i, cid in enumerate(("s0", "s1", "s2")):
+                assert_tree_equal(states[i], load(fresh, blank_like(states[i]), cid))
+    finally:
+        subprocess.run(["rm", "-rf", str(fresh_root)], check=True)
+
+
+@pytest.mark.parametrize("fault", ["wrong-secret", "missing-bucket"])
+def test_bad_credentials_or_bucket_fail_clearly_and_publish_nothing(shm_dir, s3_bucket, fault, caplog):
+    server, url = s3_bucket
+    opts = server.storage_options()
+    target = url
+    if fault == "wrong-secret":
+        opts["secret"] = "not-the-secret"
+    else:
+        target = "s3://no-such-bucket-here/prefix"
+    caplog.set_level(logging.ERROR, logger="dcp_memstore")
+    with MemStore(
+        root=shm_dir,
+        job_id="job",
+        persist_to=target,
+        storage_options=opts,
+        persist_every=1,
+        persist_on_close=False,
+    ) as store:
+        save(store, _state(1), "a")
+        with pytest.raises(PersistError) as ei:
+            store.wait_persisted("a", timeout=120)
+        st = store.status("a")
+        assert st.persist == "failed"
+        expected = "PermissionError" if fault == "wrong-secret" else "FileNotFoundError"
+        assert expected in st.error and expected in str(ei.value)
+        assert any("persisting checkpoint 'a'" in r.getMessage() for r in caplog.records)
+        assert store.list_checkpoints() == ["a"]  # still in memory, held
+    assert _keys(server, url) == []  # nothing half-visible
+    with _store(Path(str(shm_dir) + "-other"), url, server) as other:
+        try:
+            assert other.latest_checkpoint() is None
+        finally:
+            subprocess.run(["rm", "-rf", str(other.layout.root)], check=True)
+
+
+_CRASHING_SAVER = """
+import json, os, sys, time
+import torch
+sys.path.insert(0, {repo!r})
+from dcp_memstore import MemStore
+from tests.dcp.dcp_state import save
+from tests.persist.test_persist_s3 import _state
+store = MemStore(root={root!r}, job_id="job", io_threads=2, persist_to={url!r},
+                 storage_options=json.loads(os.environ["OPTS"]), persist_every=1, persist_on_close=False)
+save(store, _state(5, mib=2), "c")
+print("SAVED", flush=True)
+store.wait_persisted("c", timeout=120)
+print("NOT-KILLED", flush=True)
+"""
+
+
+@pytest.mark.parametrize("point", ["persist-upload", "persist-publish"])
+def test_kill_during_upload_or_publication_never_lists_a_partial_checkpoint(shm_dir, s3_bucket, point):
+    server, url = s3_bucket
+    env = dict(os.environ, OPTS=json.dumps(server.storage_options()), DCP_MEMSTORE_CRASH_AT=f"{point}:0:1")
+    code = textwrap.dedent(_CRASHING_SAVER.format(repo=str(REPO), root=str(shm_dir), url=url))
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+    assert res.returncode == -signal.SIGKILL, res.stdout + res.stderr[-3000:]
+    assert "SAVED" in res.stdout and "NOT-KILLED" not in res.stdout
+    keys = _keys(server, url)
+    assert f"c/{COMMITTED}" not in keys
+    assert ("c/" + STOCK_METADATA in keys) == (point == "persist-publish")
+    with _store(Path(str(shm_dir) + "-other"), url, server) as other:
+        try:
+            assert other.latest_checkpoint() is None  # a partial upload is never listed
+        finally:
+            subprocess.run(["rm", "-rf", str(other.layout.root)], check=True)
+    # The job restarts: the owed upload resumes and completes.
+    with _store(shm_dir, url, server) as store:
+        assert store.status("c").persist in ("queued", "uploading", "persisted")
+        store.wait_persisted("c", timeout=120)
+        assert store.latest_checkpoint() == "c"
+    fresh_root = Path(str(shm_dir) + "-fresh")
+    try:
+        with _store(fresh_root, url, server) as fresh:
+            assert_tree_equal(_state(5, mib=2), load(fresh, blank_like(_state(5, mib=2)), "c"))
+    finally:
+        subprocess.run(["rm", "-rf", str(fresh_root)], check=True)
