@@ -1,4 +1,5 @@
-"""Developer sessions: ``nox -s tests``, ``nox -s demo``, ``nox -s bench``, ``nox -s lint``.
+"""Developer sessions: ``nox -s tests``, ``nox -s demo``, ``nox -s bench``, ``nox -s bench_persist``,
+``nox -s lint``.
 
 Every session installs torch 2.13.0 first, by exact version, so that installing this package (whose
 dependency on torch is a range) never pulls another torch build.
@@ -48,6 +49,13 @@ def bench(session: nox.Session) -> None:
     """The core benchmark: save/load throughput against FileSystemWriter and the memcpy bound."""
     _install(session)
     session.run("python", "benchmarks/bench_core.py", *session.posargs)
+
+
+@nox.session(python="3.11")
+def bench_persist(session: nox.Session) -> None:
+    """The persistence benchmark: upload throughput against raw s3fs and step time with persistence on/off."""
+    _install(session)
+    session.run("python", "benchmarks/bench_persist.py", *session.posargs)
 
 
 @nox.session(python="3.11")
