@@ -8,7 +8,7 @@ saves, memory fills and the next save fails with an error that says so (or waits
 Work is split by file: each rank uploads the files it wrote (with a different number of processes after
 a restart, local rank r takes the files of ranks r, r + L, ...), each file on its own thread of the pool. Rank 0 publishes once
 every file has a part record. Errors: a missing bucket, refused credentials or a broken manifest stop the
-checkpoint's uploads with state "failed" (logged; ``store.persist(id)`` retries it); anything else (the
+checkpoint's uploads with state "failed" (logged; ``store.persist(id)`` or a restart retries it); anything else (the
 server down, timeouts) is retried with exponential backoff, state "retrying".
 """
 
@@ -112,7 +112,10 @@ class Persister:
             for rec in catalog.committed(self.layout):
                 if self._stop.is_set():
                     break
-                self._attempt(rec)
+                try:
+                    self._attempt(rec)
+                except Exception:  # noqa: BLE001 - e.g. deleted under us; the thread must go on
+                    log.exception("persister: checkpoint %r", rec.checkpoint_id)
             self._wake.wait(POLL_S)
             self._wake.clear()
 
@@ -122,9 +125,11 @@ class Persister:
         rank = global_rank()
         if not progress.owed() or progress.persisted():
             return
-        mine = [s for s in progress.states() if s.get("rank") == rank]
-        if mine and mine[0].get("state") == "failed":
-            return
+        if any(
+            s.get("state") == "failed" and s.get("rank") == rank and s.get("pid") == os.getpid()
+            for s in progress.states()
+        ):
+            return  # failed for good in this process: wait for store.persist(id) (or a restart)
         next_at, backoff = self._retry_at.get(cid, (0.0, BACKOFF_START_S))
         if time.monotonic() < next_at:
             return
@@ -159,6 +164,9 @@ class Persister:
 
             def one(file: str) -> None:
                 placed = upload_file(self.target, cid, local_dir, file, by_file[file])
+                again = catalog.read_commit(self.layout, cid)
+                if again is None or again.seq != rec.seq:  # its files may have been reused meanwhile
+                    raise ValueError(f"checkpoint {cid!r} was deleted from memory during its upload")
                 write_part(self.target, cid, file, placed)
                 progress.mark_done(file)
                 crash_point("persist-upload", rank)

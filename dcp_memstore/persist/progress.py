@@ -50,13 +50,15 @@ class Progress:
             return set()
 
     def mark_done(self, file: str) -> None:
-        (self.dir / "done").mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(exist_ok=True)
+        (self.dir / "done").mkdir(exist_ok=True)
         write_record(self.dir / "done" / file, {"at": time.time()})
 
     def report(self, rank: int, state: str, error: str | None = None) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(exist_ok=True)  # not parents: never re-create a deleted checkpoint's directory
         write_record(
-            self.dir / f"state-{rank}", {"rank": rank, "state": state, "error": error, "at": time.time()}
+            self.dir / f"state-{rank}",
+            {"rank": rank, "pid": os.getpid(), "state": state, "error": error, "at": time.time()},
         )
 
     def states(self) -> list[dict]:
@@ -71,7 +73,7 @@ class Progress:
 
     def mark_persisted(self) -> None:
         """Published: record it and drop the retention hold."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(exist_ok=True)
         write_record(self.dir / "PERSISTED", {"at": time.time()})
         catalog.release(self.layout, self.checkpoint_id, PERSIST_HOLD)
 
