@@ -39,6 +39,7 @@ import sysconfig
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -335,6 +336,7 @@ class SeaweedS3:
 
     def _launch_and_wait(self) -> None:
         cmd = self._command()
+        volumes_on_disk = len(list((self.data_dir / "weed").glob("*.dat")))  # all must be served again
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self._log.write(f"\n===== {time.strftime('%H:%M:%S')} {' '.join(cmd)}\n".encode())
         self._log.flush()
@@ -352,6 +354,7 @@ class SeaweedS3:
         _LIVE.add(self)
         deadline = t0 + self.startup_timeout
         last_err: BaseException | None = None
+        probe_fs = self._probe_filesystem()
         while True:
             if self._proc.poll() is not None:
                 raise RuntimeError(
@@ -363,7 +366,7 @@ class SeaweedS3:
                     f"log tail:\n{self.log_tail()}"
                 )
             try:
-                self._probe()
+                self._probe(probe_fs, volumes_on_disk)
                 break
             except Exception as e:  # not up yet: connection refused, 5xx while services register, ...
                 last_err = e
@@ -379,12 +382,35 @@ class SeaweedS3:
                 with contextlib.suppress(OSError):
                     sock.unlink()
 
-    def _probe(self) -> None:
-        """One signed request (ListBuckets); raises unless the S3 gateway answers it."""
+    def _probe(self, fs, volumes_on_disk: int) -> None:
+        """Raises unless the server is ready: the S3 gateway answers a signed request (ListBuckets) through
+        ``fs``, and the master knows a volume server holding every volume there is on disk. The gateway
+        can answer before the volume server has registered; a read in that window fails with
+        InternalError ("volume id 1 not found"), as seen after about one restart in six."""
         with socket.create_connection(("127.0.0.1", self.ports["s3"]), timeout=1):
             pass
-        fs = self.filesystem(config_kwargs={"connect_timeout": 1, "read_timeout": 5})
         fs.ls("", refresh=True)
+        url = f"http://127.0.0.1:{self.ports['master']}/dir/status"
+        no_proxy = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback, whatever the env
+        with no_proxy.open(url, timeout=2) as r:
+            topology = json.load(r)["Topology"]
+        nodes = [
+            n for dc in topology.get("DataCenters") or [] for rack in dc["Racks"] for n in rack["DataNodes"]
+        ]
+        have = sum(n.get("Volumes", 0) for n in nodes)
+        if not nodes or have < volumes_on_disk:
+            raise RuntimeError(
+                f"master knows {len(nodes)} volume servers with {have}/{volumes_on_disk} volumes"
+            )
+
+    def _probe_filesystem(self):
+        """An s3fs for ``_probe`` that gives up within seconds: one attempt, short timeouts, and none of
+        s3fs's own retries, so that the startup loop notices soon when the server has exited."""
+        fs = self.filesystem(
+            config_kwargs={"connect_timeout": 1, "read_timeout": 2, "retries": {"max_attempts": 1}}
+        )
+        fs.retries = 1  # a class attribute of S3FileSystem (5), read through the instance
+        return fs
 
 
 @atexit.register
