@@ -173,19 +173,25 @@ def test_persist_on_demand_and_retry_after_failure(shm_dir, tmp_path):
         assert catalog.holds(store.layout, "x") == []
 
 
+def _tight_store(root, target, **kw) -> MemStore:
+    """A store in the small tmpfs that owes every checkpoint to ``target`` and keeps one otherwise."""
+    return MemStore(
+        root=root,
+        job_id="job",
+        keep_in_memory=1,
+        io_threads=1,
+        persist_to=str(target),
+        persist_every=1,
+        persist_on_close=False,
+        **kw,
+    )
+
+
 def test_full_memory_of_owed_checkpoints_is_a_clear_error(small_tmpfs, tmp_path):
     blocked = tmp_path / "blocked"
     blocked.write_bytes(b"")
     sd = {"w": torch.randn(512, 1024)}  # 2 MiB per checkpoint in an 8 MiB tmpfs
-    with MemStore(
-        root=small_tmpfs,
-        job_id="job",
-        keep_in_memory=1,
-        io_threads=1,
-        persist_to=str(blocked),
-        persist_every=1,
-        persist_on_close=False,
-    ) as store:
+    with _tight_store(small_tmpfs, blocked) as store:
         saved = []
         with pytest.raises(BaseException) as ei:  # noqa: B017 - DCP wraps it
             for i in range(5):
@@ -201,17 +207,7 @@ def test_backlog_wait_lets_the_save_through_once_uploads_catch_up(small_tmpfs, t
     target = tmp_path / "slow"
     target.write_bytes(b"")  # uploads fail until the target is fixed and they are retried
     sd = {"w": torch.randn(512, 1024)}  # 2 MiB per checkpoint: at most three fit in the 8 MiB tmpfs
-    with MemStore(
-        root=small_tmpfs,
-        job_id="job",
-        keep_in_memory=1,
-        io_threads=1,
-        persist_to=str(target),
-        persist_every=1,
-        persist_backlog="wait",
-        stage_timeout_s=60,
-        persist_on_close=False,
-    ) as store:
+    with _tight_store(small_tmpfs, target, persist_backlog="wait", stage_timeout_s=60) as store:
 
         def fix_later() -> None:
             time.sleep(2.0)
