@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from dcp_memstore.errors import InsufficientSpaceError, PersistError
 from dcp_memstore.persist.persister import Persister
-from dcp_memstore.persist.progress import Progress
+from dcp_memstore.persist.progress import PERSIST_HOLD, Progress
 from dcp_memstore.persist.publish import remote_commit, remote_committed
 from dcp_memstore.persist.remote_read import RemoteCheckpoint
 from dcp_memstore.persist.target import PersistTarget
@@ -260,6 +260,9 @@ class MemStore:
                 return
             self.require_checkpoint(cid)
         Progress(self.layout, cid).request("on demand")
+        if catalog.read_commit(self.layout, cid) is None:  # evicted or deleted while we placed the hold
+            catalog.release(self.layout, cid, PERSIST_HOLD)
+            self.require_checkpoint(cid)
         if self._persister is not None:
             self._persister.wake()
 
@@ -277,11 +280,15 @@ class MemStore:
                 self.open_checkpoint(cid)  # raises FileNotFoundError naming what exists
             return CheckpointStatus(cid, False, "persisted", persisted_url=url)
         progress = Progress(self.layout, cid)
-        files = len(Manifest.read(self.layout.checkpoint_dir(cid) / MANIFEST).files)
+        owed = progress.owed()  # before persisted(): publication writes PERSISTED, then drops the hold
+        try:
+            files = len(Manifest.read(self.layout.checkpoint_dir(cid) / MANIFEST).files)
+        except FileNotFoundError:  # evicted (after being persisted) or deleted meanwhile
+            return self.status(cid)
         counts = {"files_uploaded": min(files, len(progress.done_files())), "files_total": files}
         if progress.persisted():
             return CheckpointStatus(cid, True, "persisted", persisted_url=url, **counts)
-        if not progress.owed():
+        if not owed:
             return CheckpointStatus(cid, True, "not requested", **counts)
         states = {s.get("state"): s.get("error") for s in progress.states()}
         for state in ("failed", "retrying", "uploading"):
@@ -331,28 +338,35 @@ class MemStore:
                 ]
                 if not owed:
                     raise
-                if self.persist_backlog == "wait" and time.monotonic() < deadline:
+                failed = [cid for cid in owed if self.status(cid).persist == "failed"]
+                if self.persist_backlog == "wait" and len(failed) < len(owed) and time.monotonic() < deadline:
                     time.sleep(0.2)
                     continue
+                why = (
+                    f"uploads failed for {failed} (see store.status(id).error; store.persist(id) retries)"
+                    if failed
+                    else "uploads are behind saves (see store.status(id)); persist less often or use "
+                    "persist_backlog='wait'"
+                )
                 raise InsufficientSpaceError(
                     e.root,
                     e.needed,
                     e.free,
-                    f"{len(owed)} checkpoint(s) held in memory until uploaded to {self.target.url}: {owed}; "
-                    "uploads are behind saves (see store.status(id)); persist less often or use "
-                    "persist_backlog='wait'",
+                    f"{len(owed)} checkpoint(s) held in memory until uploaded to {self.target.url}: {owed}; {why}",
                 ) from None
 
     def delete(self, checkpoint_id: str) -> None:
-        """Remove a committed checkpoint from this node's store."""
+        """Remove a committed checkpoint from this node's store (a persisted copy stays where it is)."""
         catalog.discard(self.layout, self.require_checkpoint(checkpoint_id))
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
     def close(self, timeout: float | None = None) -> None:
         """Finish with the store. With persistence: owe the newest checkpoint (``persist_on_close``) and
-        wait up to ``timeout`` seconds (None: until done) for owed uploads; uploads not finished by then
-        resume when the job starts again. Committed checkpoints stay on tmpfs."""
+        wait up to ``timeout`` seconds (None: until done or failed) for owed uploads, then up to
+        ``timeout`` more for the persister to stop; uploads not finished resume when the job starts
+        again. Committed checkpoints stay on tmpfs. Leaving a ``with`` block on an exception does not
+        wait for uploads."""
         if self._closed:
             return
         try:
@@ -360,7 +374,7 @@ class MemStore:
                 self._drain(timeout)
         finally:
             if self._persister is not None:
-                self._persister.release()
+                self._persister.release(timeout)
                 self._persister = None
             MAPPINGS.prune()
             self._closed = True
@@ -395,8 +409,8 @@ class MemStore:
     def __enter__(self) -> MemStore:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(timeout=0 if exc_type is not None else None)
 
     def __repr__(self) -> str:
         return f"MemStore(root={str(self.layout.root)!r}, job_id={self.job_id!r}, keep_in_memory={self.keep_in_memory})"

@@ -8,6 +8,7 @@ verified first, in parallel, unless the store turns verification off.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
@@ -122,12 +123,11 @@ class MemoryStorageReader(StorageReader):
         return reads
 
     def _read_remote(self, remote: RemoteCheckpoint, r: _Read) -> None:
+        """Read ``r`` from the persisted copy, checked against the checksum this checkpoint recorded."""
         loc = remote.locations[r.req.storage_index]
         buf, actual = remote.fetch(loc)
-        if actual is None or (self.store.verify_checksums and actual != loc.checksum):
-            raise ChecksumMismatchError(
-                remote.describe(loc), _item_name(r.req.storage_index), loc.checksum, actual or 0
-            )
+        r.loc = dataclasses.replace(loc, checksum=r.loc.checksum)
+        self._check(r, actual, remote.describe(loc))
         if r.dst is None:
             r.data = bytes(memory_view(buf.data_ptr(), loc.length))
         else:
@@ -179,7 +179,7 @@ class MemoryStorageReader(StorageReader):
                 mf.pin_for_cuda()  # host-to-device from page-locked tmpfs pages
             r.dst.copy_(src)
 
-    def _check(self, r: _Read, actual: int | None, path: Path) -> None:
+    def _check(self, r: _Read, actual: int | None, path: Path | str) -> None:
         """Raise ChecksumMismatchError unless ``actual`` (None: bytes missing) is the recorded checksum."""
         if actual is None or (self.store.verify_checksums and actual != r.loc.checksum):
             raise ChecksumMismatchError(

@@ -3,8 +3,8 @@
 Each local file ``__<rank>_<k>.shard`` (or ``__<rank>_objects.bin``) becomes one remote file
 ``__<rank>_<k>.distcp``: its items in order, tensors framed by ``torch.save`` and serialized values as raw
 bytes, exactly what stock ``FileSystemReader``/``FsspecReader`` read. Bytes stream from the tmpfs mapping
-into the file system's writer (for s3fs: multipart parts of ``block_size``), so memory used per upload is
-one part, whatever the file's size.
+into the file system's writer in pieces of 4 MiB (for s3fs: multipart parts of ``BLOCK_SIZE``, uploaded
+one after another), so memory used per upload stays under two parts, whatever the file's size.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dcp_memstore.dcp.metadata_codec import dtype_from_name
-from dcp_memstore.persist.framing import write_framed
+from dcp_memstore.persist.framing import write_framed, write_in_pieces
 from dcp_memstore.persist.target import PersistTarget
 from dcp_memstore.store.checksum import memory_view
 from dcp_memstore.store.manifest import ManifestItem
@@ -67,7 +67,7 @@ def upload_file(
                 raise ValueError(f"{local_dir / file} is shorter than its manifest says ({item.fqn})")
             data = memory_view(mf.address + loc.offset, loc.length)
             if loc.dtype is None:
-                out.write(data)
+                write_in_pieces(out, data)
                 length, payload = loc.length, 0
             else:
                 length, payload = write_framed(out, data, dtype_from_name(loc.dtype), loc.shape)
@@ -76,4 +76,5 @@ def upload_file(
     size = target.fs.size(path)
     if size != pos:
         raise OSError(f"{path}: uploaded {size} bytes, expected {pos}")
+    target.make_durable(path)
     return placed

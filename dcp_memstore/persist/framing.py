@@ -16,6 +16,7 @@ import threading
 import torch
 
 _HEADER_MAX = 4096  # writes up to this size are kept to find the zip headers; the payload passes through
+WRITE_PIECE = 4 << 20  # big writes go to the sink in pieces, so a buffered sink flushes parts as it fills
 _LOCAL_HEADER = b"PK\x03\x04"
 _crc_lock = threading.Lock()
 _crc_off = False
@@ -48,7 +49,7 @@ class _Tap(io.RawIOBase):
         n = mv.nbytes
         if n <= _HEADER_MAX:
             self.small[self.pos] = bytes(mv)
-        self.sink.write(mv)
+        write_in_pieces(self.sink, mv)
         self.pos += n
         return n
 
@@ -64,6 +65,13 @@ class _Tap(io.RawIOBase):
                 if name.endswith(b"/data/0"):
                     return pos + 30 + name_len + extra_len
         raise RuntimeError("torch.save wrote no storage record: cannot locate the tensor's bytes")
+
+
+def write_in_pieces(sink, data: memoryview) -> None:
+    """``sink.write(data)`` in pieces of at most ``WRITE_PIECE`` bytes: fsspec's buffered writers copy a
+    whole write into their buffer before they flush a part, so one big write would cost its size in RAM."""
+    for start in range(0, data.nbytes, WRITE_PIECE):
+        sink.write(data[start : start + WRITE_PIECE])
 
 
 def write_framed(sink, data: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[int, int]:

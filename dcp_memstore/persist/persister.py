@@ -6,10 +6,14 @@ saves, memory fills and the next save fails with an error that says so (or waits
 ``MemStore(persist_backlog=...)``): nothing owed is ever dropped.
 
 Work is split by file: each rank uploads the files it wrote (with a different number of processes after
-a restart, local rank r takes the files of ranks r, r + L, ...), each file on its own thread of the pool. Rank 0 publishes once
-every file has a part record. Errors: a missing bucket, refused credentials or a broken manifest stop the
-checkpoint's uploads with state "failed" (logged; ``store.persist(id)`` or a restart retries it); anything else (the
-server down, timeouts) is retried with exponential backoff, state "retrying".
+a restart, local rank r takes the files of ranks r, r + L, ...), at most ``io_threads`` files at a time.
+A per-file lock on tmpfs keeps two processes from uploading the same file. Once every file has its part
+record, whichever local process takes the publish lock publishes (publication is idempotent).
+
+Errors: a missing bucket, refused or missing credentials, an id already published by another save or a
+broken manifest stop the checkpoint's uploads with state "failed" (logged; ``store.persist(id)`` or a
+restart retries it); anything else (the server down, timeouts) is retried with exponential backoff,
+state "retrying".
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch.distributed as dist
 from dcp_memstore.persist.export import upload_file
 from dcp_memstore.persist.framing import disable_torch_save_crc32
 from dcp_memstore.persist.progress import Progress
-from dcp_memstore.persist.publish import publish, read_parts, remote_commit, write_part
+from dcp_memstore.persist.publish import commit_marker, publish, read_parts, remote_commit, write_part
 from dcp_memstore.persist.target import PersistTarget
 from dcp_memstore.store import catalog
 from dcp_memstore.store.faults import crash_point
@@ -35,8 +39,7 @@ from dcp_memstore.store.threads import run_parallel
 log = logging.getLogger(__name__)
 
 POLL_S = 0.2
-PUBLISH_POLL_S = 0.5  # how often rank 0 looks for other nodes' part records
-REMOTE_POLL_S = 5.0  # how often other ranks look for the published marker
+PUBLISH_POLL_S = 0.5  # how often a node whose files are all uploaded looks for other nodes' part records
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 30.0
 _PERMANENT = (
@@ -47,6 +50,7 @@ _PERMANENT = (
     ValueError,
     TypeError,
 )
+_PERMANENT_BY_NAME = {"NoCredentialsError", "PartialCredentialsError", "NoRegionError"}  # botocore
 
 
 def local_rank_and_size() -> tuple[int, int]:
@@ -74,7 +78,7 @@ class Persister:
     @classmethod
     def acquire(cls, layout: StoreLayout, target: PersistTarget, io_threads: int, keep: int) -> Persister:
         """The process's persister for this store and target, started on first use (reference counted)."""
-        key = (str(layout.job_dir), target.url)
+        key = (os.getpid(), str(layout.job_dir), target.url)  # a forked child starts its own
         with cls._registry_lock:
             p = cls._registry.get(key)
             if p is None:
@@ -82,15 +86,21 @@ class Persister:
             p._refs += 1
             return p
 
-    def release(self) -> None:
+    def release(self, timeout: float | None = None) -> None:
+        """Drop one reference; the last stops the thread, waiting up to ``timeout`` seconds for the file
+        it is uploading (an unfinished upload is redone when the job starts again)."""
         with self._registry_lock:
             self._refs -= 1
             if self._refs > 0:
                 return
-            self._registry.pop((str(self.layout.job_dir), self.target.url), None)
+            self._registry.pop((os.getpid(), str(self.layout.job_dir), self.target.url), None)
         self._stop.set()
         self._wake.set()
-        self._thread.join()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning(
+                "persister still uploading to %s at close; it stops with the process", self.target.url
+            )
 
     def __init__(self, layout: StoreLayout, target: PersistTarget, io_threads: int, keep: int) -> None:
         self.layout, self.target, self.io_threads, self.keep = layout, target, io_threads, keep
@@ -99,6 +109,7 @@ class Persister:
         self._wake = threading.Event()
         self._retry_at: dict[str, tuple[float, float]] = {}  # checkpoint -> (next attempt, current backoff)
         self._check_at: dict[str, float] = {}  # checkpoint -> next look at the remote side
+        self._checked: set[str] = set()  # checkpoints whose id was checked against the remote side
         self._thread = threading.Thread(target=self._run, name="dcp_memstore_persist", daemon=True)
         self._thread.start()
 
@@ -122,13 +133,13 @@ class Persister:
     def _attempt(self, rec: catalog.CommitRecord) -> None:
         cid = rec.checkpoint_id
         progress = Progress(self.layout, cid)
-        rank = global_rank()
-        if not progress.owed() or progress.persisted():
+        if not progress.owed():
             return
-        if any(
-            s.get("state") == "failed" and s.get("rank") == rank and s.get("pid") == os.getpid()
-            for s in progress.states()
-        ):
+        if progress.persisted():  # a hold placed while it was being published
+            progress.mark_persisted()
+            return
+        rank = global_rank()
+        if any(s.get("state") == "failed" and s.get("pid") == os.getpid() for s in progress.states()):
             return  # failed for good in this process: wait for store.persist(id) (or a restart)
         next_at, backoff = self._retry_at.get(cid, (0.0, BACKOFF_START_S))
         if time.monotonic() < next_at:
@@ -136,19 +147,26 @@ class Persister:
         try:
             self._advance(rec, progress, rank)
             self._retry_at.pop(cid, None)
-        except _PERMANENT as e:
-            log.error("persisting checkpoint %r to %s failed: %s", cid, self.target.url, e)
-            progress.report(rank, "failed", _describe(e))
-        except Exception as e:  # noqa: BLE001 - any other error is retried: the store may come back
-            log.warning(
-                "persisting checkpoint %r to %s: %s; retrying in %.1f s", cid, self.target.url, e, backoff
-            )
-            progress.report(rank, "retrying", _describe(e))
-            self._retry_at[cid] = (time.monotonic() + backoff, min(backoff * 2, BACKOFF_MAX_S))
+        except Exception as e:  # noqa: BLE001 - classified: permanent errors stop, others are retried
+            if _permanent(e):
+                log.error("persisting checkpoint %r to %s failed: %s", cid, self.target.url, e)
+                progress.report(rank, "failed", _describe(e))
+            else:
+                log.warning(
+                    "persisting checkpoint %r to %s: %s; retrying in %.1f s", cid, self.target.url, e, backoff
+                )
+                progress.report(rank, "retrying", _describe(e))
+                self._retry_at[cid] = (time.monotonic() + backoff, min(backoff * 2, BACKOFF_MAX_S))
 
     def _advance(self, rec: catalog.CommitRecord, progress: Progress, rank: int) -> None:
-        """Upload this process's share of ``rec``'s files; publish when all are there (rank 0)."""
+        """Upload this process's share of ``rec``'s files; publish once every file is uploaded."""
         cid = rec.checkpoint_id
+        progress.prepare()
+        if cid not in self._checked:  # once per process and save: is the id already taken remotely?
+            self._settle_if_published(rec, progress)
+            self._checked.add(cid)
+            if progress.persisted():
+                return
         local_dir = self.layout.checkpoint_dir(cid)
         manifest = Manifest.read(local_dir / MANIFEST)
         by_file: dict[str, list] = {}
@@ -161,37 +179,75 @@ class Persister:
         ]
         if todo:
             progress.report(rank, "uploading")
-
-            def one(file: str) -> None:
-                placed = upload_file(self.target, cid, local_dir, file, by_file[file])
-                again = catalog.read_commit(self.layout, cid)
-                if again is None or again.seq != rec.seq:  # its files may have been reused meanwhile
-                    raise ValueError(f"checkpoint {cid!r} was deleted from memory during its upload")
-                write_part(self.target, cid, file, placed)
-                progress.mark_done(file)
-                crash_point("persist-upload", rank)
-
-            run_parallel(one, todo, self.io_threads, pool="persist")
+            run_parallel(
+                lambda f: self._upload(rec, progress, local_dir, f, by_file[f], rank),
+                todo,
+                self.io_threads,
+                pool="persist",
+            )
         if not progress.done_files() >= set(by_file):
-            return  # other local ranks are still uploading theirs
+            return  # other local processes are still uploading theirs
         now = time.monotonic()
         if now < self._check_at.get(cid, 0.0):
             return
-        self._check_at[cid] = now + (PUBLISH_POLL_S if rank == 0 else REMOTE_POLL_S)
-        if remote_commit(self.target, cid) is None:
-            if rank != 0:
-                return  # rank 0 publishes
-            parts = read_parts(self.target, cid)
-            if not set(by_file) <= set(parts):
-                return
-            publish(
-                self.target, manifest, rec, parts, before_marker=lambda: crash_point("persist-publish", rank)
-            )
-            log.info("checkpoint %r persisted to %s", cid, self.target.url_of(cid))
-        progress.mark_persisted()
+        self._check_at[cid] = now + PUBLISH_POLL_S
+        with progress.exclusive("publish") as mine:
+            if not mine or progress.persisted():
+                return  # another local process is publishing
+            if remote_commit(self.target, cid) is None:
+                parts = read_parts(self.target, rec)
+                if not set(by_file) <= set(parts):
+                    return  # files of other nodes are not uploaded yet
+                publish(
+                    self.target,
+                    manifest,
+                    rec,
+                    parts,
+                    before_marker=lambda: crash_point("persist-publish", rank),
+                )
+                log.info("checkpoint %r persisted to %s", cid, self.target.url_of(cid))
+            else:
+                self._settle_if_published(rec, progress)
+            progress.mark_persisted()
         progress.report(rank, "persisted")
         self._check_at.pop(cid, None)
         catalog.evict(self.layout, self.keep)  # it may have been held past its turn
+
+    def _upload(
+        self, rec: catalog.CommitRecord, progress: Progress, local_dir, file: str, items, rank: int
+    ) -> None:
+        """Upload one file, unless another process is uploading it or already has."""
+        with progress.exclusive(file) as mine:
+            if not mine or file in progress.done_files():
+                return
+            placed = upload_file(self.target, rec.checkpoint_id, local_dir, file, items)
+            again = catalog.read_commit(self.layout, rec.checkpoint_id)
+            if again is None or again.seq != rec.seq:  # its files may have been reused meanwhile
+                raise ValueError(
+                    f"checkpoint {rec.checkpoint_id!r} was deleted from memory during its upload"
+                )
+            write_part(self.target, rec, file, placed)
+            progress.mark_done(file)
+        crash_point("persist-upload", rank)
+
+    def _settle_if_published(self, rec: catalog.CommitRecord, progress: Progress) -> None:
+        """If ``rec``'s id is already published: the same save -> mark it persisted; another save under the
+        same id -> refuse (permanent): overwriting it would mix two checkpoints."""
+        remote = remote_commit(self.target, rec.checkpoint_id)
+        if remote is None:
+            return
+        if commit_marker(remote) != commit_marker(rec):
+            raise ValueError(
+                f"{self.target.url_of(rec.checkpoint_id)} already holds another checkpoint saved under the id "
+                f"{rec.checkpoint_id!r}; delete it there, or save under a new id"
+            )
+        progress.mark_persisted()
+
+
+def _permanent(e: BaseException) -> bool:
+    """Errors that retrying cannot fix: refused or missing credentials, a missing bucket or directory,
+    an id taken by another checkpoint, a broken manifest."""
+    return isinstance(e, _PERMANENT) or type(e).__name__ in _PERMANENT_BY_NAME
 
 
 def _describe(e: BaseException) -> str:

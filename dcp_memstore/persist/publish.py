@@ -23,14 +23,21 @@ from dcp_memstore.store.catalog import CommitRecord
 from dcp_memstore.store.manifest import Manifest, ManifestItem, ShardLocation
 
 
-def write_part(target: PersistTarget, checkpoint_id: str, file: str, placed: list[PersistedItem]) -> None:
-    """Record that ``file`` is uploaded and where its items are."""
-    body = msgpack.packb({"items": [p.to_record() for p in placed]})
-    target.put_atomic(target.path(checkpoint_id, PARTS, file), body)
+def commit_marker(commit: CommitRecord) -> dict:
+    """What identifies one save of a checkpoint id (a later save under the same id differs)."""
+    return {"seq": commit.seq, "committed_at": commit.committed_at, "nbytes": commit.nbytes}
 
 
-def read_parts(target: PersistTarget, checkpoint_id: str) -> dict[str, list[PersistedItem]]:
-    """The part records uploaded so far, by local file name."""
+def write_part(target: PersistTarget, commit: CommitRecord, file: str, placed: list[PersistedItem]) -> None:
+    """Record that ``file`` of the save ``commit`` is uploaded and where its items are."""
+    body = msgpack.packb({"commit": commit_marker(commit), "items": [p.to_record() for p in placed]})
+    target.put_atomic(target.path(commit.checkpoint_id, PARTS, file), body)
+
+
+def read_parts(target: PersistTarget, commit: CommitRecord) -> dict[str, list[PersistedItem]]:
+    """The part records of the save ``commit`` uploaded so far (not those of an earlier save under the same
+    id), by local file name."""
+    checkpoint_id = commit.checkpoint_id
     fs = target.fs
     directory = target.path(checkpoint_id, PARTS)
     try:
@@ -43,7 +50,9 @@ def read_parts(target: PersistTarget, checkpoint_id: str) -> dict[str, list[Pers
         return {}
     out: dict[str, list[PersistedItem]] = {}
     for path, body in fs.cat(paths, on_error="omit").items():
-        out[path.rsplit("/", 1)[-1]] = [PersistedItem.from_record(x) for x in msgpack.unpackb(body)["items"]]
+        r = msgpack.unpackb(body)
+        if r.get("commit") == commit_marker(commit):
+            out[path.rsplit("/", 1)[-1]] = [PersistedItem.from_record(x) for x in r["items"]]
     return out
 
 
@@ -79,22 +88,21 @@ def publish(
     target.put_atomic(target.path(cid, MANIFEST), msgpack.packb(remote.to_record()))
     target.put_atomic(target.path(cid, STOCK_METADATA), pickle.dumps(decode_metadata(manifest.dcp, storage)))
     before_marker()
-    marker = {"seq": commit.seq, "committed_at": commit.committed_at, "nbytes": commit.nbytes}
-    target.put_atomic(target.path(cid, COMMITTED), msgpack.packb(marker))
+    target.put_atomic(target.path(cid, COMMITTED), msgpack.packb(commit_marker(commit)))
 
 
 def remote_commit(target: PersistTarget, checkpoint_id: str) -> CommitRecord | None:
     """The commit record of persisted checkpoint ``checkpoint_id``, or None if it is not (fully) persisted."""
     try:
-        r = msgpack.unpackb(target.fs.cat_file(target.path(checkpoint_id, COMMITTED)))
+        return _commit_record(checkpoint_id, target.fs.cat_file(target.path(checkpoint_id, COMMITTED)))
     except FileNotFoundError:
         return None
-    return CommitRecord(checkpoint_id, int(r["seq"]), float(r["committed_at"]), int(r["nbytes"]))
 
 
 def remote_committed(target: PersistTarget) -> list[CommitRecord]:
     """Every fully persisted checkpoint under the target, oldest commit first."""
     fs = target.fs
+    target.forget_listings()
     try:
         markers = fs.glob(f"{target.root}/*/{COMMITTED}")
     except FileNotFoundError:
@@ -103,10 +111,13 @@ def remote_committed(target: PersistTarget) -> list[CommitRecord]:
         return []
     out = []
     for path, body in fs.cat(markers, on_error="omit").items():
-        cid = path[len(target.root) + 1 :].split("/", 1)[0]
-        r = msgpack.unpackb(body)
-        out.append(CommitRecord(cid, int(r["seq"]), float(r["committed_at"]), int(r["nbytes"])))
+        out.append(_commit_record(path[len(target.root) + 1 :].split("/", 1)[0], body))
     return sorted(out, key=lambda r: (r.committed_at, r.seq))
+
+
+def _commit_record(checkpoint_id: str, body: bytes) -> CommitRecord:
+    r = msgpack.unpackb(body)
+    return CommitRecord(checkpoint_id, int(r["seq"]), float(r["committed_at"]), int(r["nbytes"]))
 
 
 def read_remote_manifest(target: PersistTarget, checkpoint_id: str) -> Manifest:

@@ -3,18 +3,19 @@
 ``persist_to`` is an fsspec URL (``s3://bucket/prefix``, ``gs://…``, ``file:///…``) or a plain directory.
 A checkpoint ``step-100`` lands in ``<root>/step-100/`` in the standard DCP layout, with our own manifest
 and commit marker in ``<root>/step-100/.dcp_memstore/``. The file system is created lazily (and again in
-each process), so the target is cheap to build and safe to pickle.
+each process: fsspec caches instances), so the target is cheap to build and safe to pickle.
 """
 
 from __future__ import annotations
 
 import os
-import threading
-import uuid
+from pathlib import Path
 from typing import Any
 
 import fsspec
 from fsspec.core import url_to_fs
+
+from dcp_memstore.store.records import write_atomic
 
 OUR_DIR = ".dcp_memstore"
 COMMITTED = f"{OUR_DIR}/COMMITTED"
@@ -44,22 +45,20 @@ class PersistTarget:
         except (ImportError, ValueError) as e:
             extra = " (pip install 'dcp_memstore[s3]')" if protocol in ("s3", "s3a") else ""
             raise ValueError(f"persist_to={persist_to!r}: no usable fsspec file system{extra}: {e}") from e
-        self._local = threading.local()
 
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
-        """This process's file system object (made on first use)."""
-        fs = getattr(self._local, "fs", None)
-        if fs is None or getattr(self._local, "pid", None) != os.getpid():
-            fs, root = url_to_fs(self.url, **self.storage_options)
-            self._local.fs, self._local.root, self._local.pid = fs, root.rstrip("/"), os.getpid()
-        return fs
+        """The file system (fsspec caches instances per process and thread)."""
+        return self._resolve()[0]
 
     @property
     def root(self) -> str:
         """The root path inside ``fs`` (no protocol)."""
-        self.fs  # noqa: B018 - resolves root with the file system
-        return self._local.root
+        return self._resolve()[1]
+
+    def _resolve(self) -> tuple[fsspec.AbstractFileSystem, str]:
+        fs, root = url_to_fs(self.url, **self.storage_options)
+        return fs, root.rstrip("/")
 
     @property
     def is_local(self) -> bool:
@@ -74,29 +73,40 @@ class PersistTarget:
         return f"{self.url}/{checkpoint_id}"
 
     def put_atomic(self, path: str, data: bytes) -> None:
-        """Write a small object so that it appears whole or not at all (object stores: one PUT; local
-        file systems: write a temporary name, then rename)."""
-        fs = self.fs
+        """Write a small object so that it appears whole or not at all, durably (object stores: one PUT;
+        local file systems: a hidden temporary name, fsync, rename, fsync of the directory)."""
         if self.is_local:
-            fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-            tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            directory = Path(path).parent
+            directory.mkdir(parents=True, exist_ok=True)
+            write_atomic(Path(path), data)
+            sync_directory(directory)
         else:
-            fs.pipe_file(path, data)
+            self.fs.pipe_file(path, data)
 
-    def __getstate__(self) -> dict:
-        return {"url": self.url, "storage_options": self.storage_options}
+    def make_durable(self, path: str) -> None:
+        """Flush a written file to stable storage (local file systems; object stores are durable on PUT)."""
+        if self.is_local:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            sync_directory(Path(path).parent)
 
-    def __setstate__(self, state: dict) -> None:
-        self.url, self.storage_options = state["url"], state["storage_options"]
-        self._local = threading.local()
+    def forget_listings(self) -> None:
+        """Drop the file system's cached directory listings, so the next listing asks the server."""
+        self.fs.invalidate_cache(self.root)
 
     def __repr__(self) -> str:
         return f"PersistTarget({self.url!r})"
+
+
+def sync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -119,6 +120,38 @@ def test_server_down_mid_upload_retries_while_training_goes_on(shm_dir, s3_bucke
                 assert_tree_equal(states[i], load(fresh, blank_like(states[i]), cid))
     finally:
         subprocess.run(["rm", "-rf", str(fresh_root)], check=True)
+
+
+def test_backlog_wait_lets_saves_through_once_the_server_is_back(small_tmpfs, s3_bucket):
+    server, url = s3_bucket
+    sd = {"w": torch.randn(512, 1024)}  # 2 MiB per checkpoint: at most three fit in the 8 MiB tmpfs
+    with MemStore(
+        root=small_tmpfs,
+        job_id="job",
+        keep_in_memory=1,
+        io_threads=1,
+        persist_to=url,
+        storage_options=server.storage_options(),
+        persist_every=1,
+        persist_backlog="wait",
+        stage_timeout_s=120,
+        persist_on_close=False,
+    ) as store:
+        server.stop()
+        restarter = threading.Timer(5.0, server.start)
+        restarter.start()
+        try:
+            t0 = time.monotonic()
+            for i in range(5):
+                save(store, sd, f"s{i}")  # the ones that do not fit wait for uploads to free memory
+            waited = time.monotonic() - t0
+        finally:
+            restarter.join()
+        assert waited >= 5.0
+        assert store.list_checkpoints()[-1] == "s4"
+        store.wait_persisted("s4", timeout=120)
+    with _store(small_tmpfs, url, server) as again:
+        assert_tree_equal(sd, load(again, blank_like(sd), "s4"))
 
 
 @pytest.mark.parametrize("fault", ["wrong-secret", "missing-bucket"])
