@@ -109,7 +109,7 @@ class Persister:
         self._wake = threading.Event()
         self._retry_at: dict[str, tuple[float, float]] = {}  # checkpoint -> (next attempt, current backoff)
         self._check_at: dict[str, float] = {}  # checkpoint -> next look at the remote side
-        self._checked: set[str] = set()  # checkpoints whose id was checked against the remote side
+        self._checked: set[tuple] = set()  # saves whose id was checked against the remote side
         self._thread = threading.Thread(target=self._run, name="dcp_memstore_persist", daemon=True)
         self._thread.start()
 
@@ -162,9 +162,10 @@ class Persister:
         """Upload this process's share of ``rec``'s files; publish once every file is uploaded."""
         cid = rec.checkpoint_id
         progress.prepare()
-        if cid not in self._checked:  # once per process and save: is the id already taken remotely?
+        save = (cid, rec.seq, rec.committed_at)
+        if save not in self._checked:  # once per process and save: is the id already taken remotely?
             self._settle_if_published(rec, progress)
-            self._checked.add(cid)
+            self._checked.add(save)
             if progress.persisted():
                 return
         local_dir = self.layout.checkpoint_dir(cid)

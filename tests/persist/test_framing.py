@@ -7,7 +7,7 @@ import io
 import pytest
 import torch
 
-from dcp_memstore.persist.framing import disable_torch_save_crc32, write_framed
+from dcp_memstore.persist.framing import WRITE_PIECE, disable_torch_save_crc32, write_framed
 
 
 @pytest.mark.parametrize(
@@ -36,3 +36,20 @@ def test_archive_loads_back_and_payload_offset_points_at_the_raw_bytes(shape, dt
     loaded = torch.load(io.BytesIO(data), weights_only=True)
     assert loaded.dtype == dtype and tuple(loaded.shape) == shape
     assert torch.equal(loaded, src)
+
+
+def test_big_tensors_reach_the_stream_in_bounded_pieces():
+    class Sink(io.RawIOBase):
+        def __init__(self) -> None:
+            self.n, self.largest = 0, 0
+
+        def write(self, b) -> int:
+            n = memoryview(b).nbytes
+            self.n, self.largest = self.n + n, max(self.largest, n)
+            return n
+
+    raw = bytearray(24 << 20)
+    sink = Sink()
+    length, _ = write_framed(sink, memoryview(raw), torch.float32, (6 << 20,))
+    assert sink.n == length > len(raw)
+    assert sink.largest <= WRITE_PIECE

@@ -55,7 +55,7 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
 
 def test_s3_roundtrip_loads_with_stock_fsspec_reader_and_from_empty_tmpfs(shm_dir, s3_bucket, tmp_path):
     server, url = s3_bucket
-    sd = _state(1)
+    sd = _state(1, mib=20)  # a 20 MiB item: several multipart parts, several ranged reads back
     with _store(shm_dir, url, server, persist_every=1) as store:
         save(store, sd, "step-1")
         st = store.wait_persisted("step-1", timeout=120)
@@ -154,13 +154,22 @@ def test_backlog_wait_lets_saves_through_once_the_server_is_back(small_tmpfs, s3
         assert_tree_equal(sd, load(again, blank_like(sd), "s4"))
 
 
-@pytest.mark.parametrize("fault", ["wrong-secret", "missing-bucket"])
-def test_bad_credentials_or_bucket_fail_clearly_and_publish_nothing(shm_dir, s3_bucket, fault, caplog):
+@pytest.mark.parametrize("fault", ["wrong-secret", "no-credentials", "missing-bucket"])
+def test_bad_credentials_or_bucket_fail_clearly_and_publish_nothing(
+    shm_dir, s3_bucket, fault, caplog, monkeypatch, tmp_path
+):
     server, url = s3_bucket
     opts = server.storage_options()
     target = url
     if fault == "wrong-secret":
         opts["secret"] = "not-the-secret"
+    elif fault == "no-credentials":
+        del opts["key"], opts["secret"]
+        for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+            monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+        monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+        monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     else:
         target = "s3://no-such-bucket-here/prefix"
     caplog.set_level(logging.ERROR, logger="dcp_memstore")
@@ -177,7 +186,11 @@ def test_bad_credentials_or_bucket_fail_clearly_and_publish_nothing(shm_dir, s3_
             store.wait_persisted("a", timeout=120)
         st = store.status("a")
         assert st.persist == "failed"
-        expected = "PermissionError" if fault == "wrong-secret" else "FileNotFoundError"
+        expected = {
+            "wrong-secret": "PermissionError",
+            "no-credentials": "NoCredentialsError",
+            "missing-bucket": "FileNotFoundError",
+        }[fault]
         assert expected in st.error and expected in str(ei.value)
         assert any("persisting checkpoint 'a'" in r.getMessage() for r in caplog.records)
         assert store.list_checkpoints() == ["a"]  # still in memory, held
@@ -187,6 +200,25 @@ def test_bad_credentials_or_bucket_fail_clearly_and_publish_nothing(shm_dir, s3_
             assert other.latest_checkpoint() is None
         finally:
             subprocess.run(["rm", "-rf", str(other.layout.root)], check=True)
+
+
+def test_an_id_published_by_another_save_is_refused_and_left_intact(shm_dir, s3_bucket):
+    server, url = s3_bucket
+    first, second = _state(1), _state(2)
+    with _store(shm_dir, url, server, persist_every=1, keep_in_memory=3) as store:
+        save(store, first, "final")
+        store.wait_persisted("final", timeout=120)
+        store.delete("final")
+        save(store, second, "final")  # same id, other data: overwriting would mix two checkpoints
+        with pytest.raises(PersistError, match="already holds another checkpoint"):
+            store.wait_persisted("final", timeout=120)
+        assert store.list_checkpoints() == ["final"]  # kept (held) in memory
+    fresh_root = Path(str(shm_dir) + "-fresh")
+    try:
+        with _store(fresh_root, url, server) as fresh:
+            assert_tree_equal(first, load(fresh, blank_like(first), "final"))
+    finally:
+        subprocess.run(["rm", "-rf", str(fresh_root)], check=True)
 
 
 _CRASHING_SAVER = """
