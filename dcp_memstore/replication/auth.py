@@ -1,0 +1,195 @@
+"""Authentication of replication messages: HMAC-SHA256 with a per-job secret, timestamps, one-time nonces.
+
+A peer server accepts a request only if it carries a MAC made with this job's secret over the request's
+canonical encoding (msgpack, map keys sorted, without the ``mac`` field), which covers the ``job``, the
+``op``, every argument, a timestamp ``ts`` (Unix milliseconds) and a random ``nonce``. Requests outside the
+time window (clock skew or a stale capture) and nonces already seen (a replay) are refused. Replies are
+signed too, bound to the request by echoing its nonce (``re``), so a client also knows it talks to a peer of
+its own job. Request and reply MACs use different domain prefixes, so one can never pass for the other.
+
+The secret is 32 random bytes per job, shared through the torch.distributed store (rank 0 creates it under
+``dcp_memstore/<job>/secret``; the others wait for it) or given by the user. It is as secret as that store:
+anyone who can read the rendezvous store can read it. Payload bytes are not MACed; they are checked by their
+xxh3-64 checksum, which guards against corruption, not against a man in the middle.
+"""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from hashlib import sha256
+from typing import Any
+
+import msgpack
+
+from dcp_memstore.store.ids import validate_name
+
+SECRET_BYTES = 32
+MIN_SECRET_BYTES = 16
+NONCE_BYTES = 16
+MAC_BYTES = 32
+DEFAULT_WINDOW_S = 300.0
+DEFAULT_MAX_NONCES = 1 << 16
+_REQUEST_DOMAIN = b"dcp_memstore replication request v1\0"
+_REPLY_DOMAIN = b"dcp_memstore replication reply v1\0"
+
+
+class AuthError(PermissionError):
+    """A message failed authentication (bad MAC, wrong job, stale timestamp, replayed nonce)."""
+
+
+def new_secret() -> bytes:
+    """A fresh random per-job secret."""
+    return secrets.token_bytes(SECRET_BYTES)
+
+
+def check_secret(secret: object) -> bytes:
+    """``secret`` as bytes if it is usable (bytes, or a str taken as UTF-8, of at least 16 bytes)."""
+    if isinstance(secret, str):
+        secret = secret.encode()
+    if not isinstance(secret, (bytes, bytearray)):
+        raise ValueError(f"the replication secret must be bytes or a str, got {type(secret).__name__}")
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(
+            f"the replication secret is {len(secret)} bytes long; use at least {MIN_SECRET_BYTES} random "
+            f"bytes (e.g. secrets.token_hex(32)), or leave it unset to have one generated per job"
+        )
+    return bytes(secret)
+
+
+def _sorted(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _sorted(value[k]) for k in sorted(value)}
+    if isinstance(value, (list, tuple)):
+        return [_sorted(v) for v in value]
+    return value
+
+
+def canonical(header: Mapping) -> bytes:
+    """The bytes a MAC covers: ``header`` without ``mac``, map keys sorted, as msgpack."""
+    return msgpack.packb(_sorted({k: v for k, v in header.items() if k != "mac"}), use_bin_type=True)
+
+
+def _mac(secret: bytes, domain: bytes, header: Mapping) -> bytes:
+    return hmac.new(secret, domain + canonical(header), sha256).digest()
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def sign_request(header: Mapping, secret: bytes, job_id: str) -> dict:
+    """``header`` (with its ``op``) plus ``job``, ``ts``, a fresh ``nonce`` and the ``mac`` over all of it."""
+    signed = {**header, "job": job_id, "ts": _now_ms(), "nonce": secrets.token_bytes(NONCE_BYTES)}
+    signed["mac"] = _mac(secret, _REQUEST_DOMAIN, signed)
+    return signed
+
+
+def sign_reply(reply: Mapping, secret: bytes, request_nonce: bytes) -> dict:
+    """``reply`` bound to the request with nonce ``request_nonce`` (field ``re``) and signed (``mac``)."""
+    signed = {**reply, "re": request_nonce}
+    signed["mac"] = _mac(secret, _REPLY_DOMAIN, signed)
+    return signed
+
+
+def verify_reply(reply: Mapping, secret: bytes, request_nonce: bytes) -> None:
+    """Raise AuthError unless ``reply`` answers the request with nonce ``request_nonce`` and is signed with
+    ``secret``."""
+    mac = reply.get("mac")
+    if not isinstance(mac, bytes) or len(mac) != MAC_BYTES:
+        raise AuthError("the reply carries no valid MAC")
+    if reply.get("re") != request_nonce:
+        raise AuthError("the reply answers another request (its 're' is not this request's nonce)")
+    if not hmac.compare_digest(mac, _mac(secret, _REPLY_DOMAIN, reply)):
+        raise AuthError("the reply's MAC is wrong: the peer does not hold this job's replication secret")
+
+
+class RequestVerifier:
+    """Checks requests for one job: MAC, job, timestamp window and nonce reuse. Thread-safe.
+
+    Nonces are remembered for the time window (a request older than that is refused by its timestamp
+    anyway), at most ``max_nonces`` of them; beyond that the oldest are forgotten first.
+    """
+
+    def __init__(
+        self,
+        secret: bytes,
+        job_id: str,
+        window_s: float = DEFAULT_WINDOW_S,
+        max_nonces: int = DEFAULT_MAX_NONCES,
+        clock_ms: Callable[[], int] = _now_ms,
+    ) -> None:
+        self.secret = check_secret(secret)
+        self.job_id = job_id
+        self.window_ms = int(window_s * 1000)
+        self.max_nonces = max_nonces
+        self._clock_ms = clock_ms
+        self._seen: OrderedDict[bytes, int] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def verify(self, header: Mapping) -> None:
+        """Raise AuthError unless ``header`` is a fresh request signed with this job's secret."""
+        mac, nonce, ts, job = (header.get(k) for k in ("mac", "nonce", "ts", "job"))
+        if not isinstance(mac, bytes) or len(mac) != MAC_BYTES:
+            raise AuthError("the request carries no valid MAC (32 bytes in field 'mac')")
+        if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
+            raise AuthError(f"the request carries no valid nonce ({NONCE_BYTES} bytes in field 'nonce')")
+        if type(ts) is not int:
+            raise AuthError("the request carries no timestamp (Unix milliseconds in field 'ts')")
+        if not hmac.compare_digest(mac, _mac(self.secret, _REQUEST_DOMAIN, header)):
+            raise AuthError(
+                "the request's MAC is wrong: the sender does not hold this job's replication secret"
+            )
+        if job != self.job_id:
+            raise AuthError(f"the request is for job {job!r}; this server serves job {self.job_id!r}")
+        now = self._clock_ms()
+        if abs(now - ts) > self.window_ms:
+            raise AuthError(
+                f"the request's timestamp is {(now - ts) / 1000:+.1f} s off this node's clock (allowed: "
+                f"{self.window_ms / 1000:.0f} s): synchronise the nodes' clocks, or it is a replayed request"
+            )
+        with self._lock:
+            while self._seen and (
+                len(self._seen) >= self.max_nonces or self._oldest() < now - self.window_ms
+            ):
+                self._seen.popitem(last=False)
+            if nonce in self._seen:
+                raise AuthError("the request replays an earlier one (its nonce was already used)")
+            self._seen[nonce] = ts
+
+    def _oldest(self) -> int:
+        return next(iter(self._seen.values()))
+
+
+def secret_store_key(job_id: str) -> str:
+    """The torch.distributed store key under which job ``job_id``'s replication secret is shared."""
+    return f"dcp_memstore/{validate_name(job_id, 'job id')}/secret"
+
+
+def shared_secret(store: Any, job_id: str, rank: int, secret: bytes | str | None = None) -> bytes:
+    """Job ``job_id``'s replication secret, the same on every rank.
+
+    ``secret`` given (by the user, identically on every rank): that one, checked, and the store is not used.
+    Otherwise rank 0 creates a random one in ``store`` (a ``torch.distributed.Store``: TCPStore, HashStore,
+    FileStore, PrefixStore) with ``compare_set``, so a restarted rank 0 keeps the one already shared, and the
+    other ranks wait for it with ``get`` (up to the store's timeout).
+    """
+    if secret is not None:
+        return check_secret(secret)
+    key = secret_store_key(job_id)
+    try:
+        value = store.compare_set(key, "", new_secret()) if rank == 0 else store.get(key)
+    except RuntimeError as e:  # c10d's DistStoreError (a timeout, a lost store) subclasses RuntimeError
+        raise RuntimeError(
+            f"rank {rank} could not get job {job_id!r}'s replication secret from the torch.distributed store "
+            f"(key {key!r}, created by rank 0): {e}. Check that rank 0 started replication, or give the "
+            f"secret explicitly on every rank."
+        ) from e
+    try:
+        return check_secret(bytes(value))
+    except ValueError as e:
+        raise ValueError(f"store key {key!r} holds no usable replication secret: {e}") from e

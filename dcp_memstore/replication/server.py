@@ -1,0 +1,393 @@
+"""The peer server: receives other nodes' checkpoint files (replicas) and serves this node's files to peers.
+
+One server per rank, bound to the address the user configures, on a port from the OS. It serves only
+authenticated peers of its own job (``auth``), speaks only the wire format (``wire``: msgpack headers, raw
+payloads; nothing unpickled), and only touches paths under its own root and job:
+
+    <root>/<job>/checkpoints/<checkpoint>/<file>                 this node's files (served by ``get``)
+    <root>/<job>/replicas/<source-node>/<checkpoint>/<file>       replicas it keeps for other nodes
+
+where every component a peer names is checked with ``validate_name`` (no separators, no '..', no hidden
+names). A received file is size-capped, checked against the free memory, allocated in full before its
+bytes arrive (so a full tmpfs is an error reply, never a SIGBUS), filled straight from the socket into its
+mapping, and renamed into place only after its checksum matched.
+
+A thread per connection (daemon, at most ``max_connections`` at once; more are refused as busy). Any error
+reply closes the connection; a refused request has touched nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import stat
+import threading
+import time
+from pathlib import Path
+
+from dcp_memstore.errors import InsufficientSpaceError
+from dcp_memstore.replication import wire
+from dcp_memstore.replication.auth import DEFAULT_WINDOW_S, AuthError, RequestVerifier, sign_reply
+from dcp_memstore.replication.transport import (
+    IncomingFile,
+    OutgoingFile,
+    remove_stale_parts,
+    validate_file_name,
+)
+from dcp_memstore.store.ids import validate_name
+from dcp_memstore.store.layout import COMMITTED, StoreLayout
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_FILE_BYTES = 1 << 40
+DEFAULT_MAX_CONNECTIONS = 64
+DEFAULT_IO_TIMEOUT_S = 60.0
+_DRAIN_BYTES = 1 << 20  # read at most this much of a refused request's leftovers, so the reply is not lost
+_DRAIN_S = 1.0
+
+
+def replicas_dir(layout: StoreLayout) -> Path:
+    """Where a node keeps the replicas of other nodes' checkpoints."""
+    return layout.job_dir / "replicas"
+
+
+def replica_dir(layout: StoreLayout, source_node: str, checkpoint: str) -> Path:
+    """Where a node keeps its replica of checkpoint ``checkpoint`` of node ``source_node``."""
+    return replicas_dir(layout) / source_node / checkpoint
+
+
+class _Refusal(Exception):
+    """A request this server refuses: an error reply with ``code``, then the connection is closed."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _name(value: str, what: str) -> str:
+    """``value`` if it is a valid store name (a node, a checkpoint), else a refusal saying why."""
+    try:
+        return validate_name(value, what)
+    except ValueError as e:
+        raise _Refusal("bad_request", str(e)) from None
+
+
+def _file_name(value: str) -> str:
+    """``value`` if it is a valid name of a file in a checkpoint directory, else a refusal saying why."""
+    try:
+        return validate_file_name(value)
+    except ValueError as e:
+        raise _Refusal("bad_request", str(e)) from None
+
+
+def _list_files(directory: Path) -> dict[str, int]:
+    """Regular files with valid names directly in ``directory`` and their sizes (temporaries, markers in
+    subdirectories and anything else left out)."""
+    files = {}
+    try:
+        entries = list(os.scandir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return files
+    for e in entries:
+        try:
+            validate_file_name(e.name)
+            st = e.stat(follow_symlinks=False)
+        except (ValueError, FileNotFoundError):
+            continue
+        if stat.S_ISREG(st.st_mode):
+            files[e.name] = st.st_size
+    return files
+
+
+class PeerServer:
+    """Serves one job's checkpoint files to its peers and keeps their replicas (see the module docstring).
+
+    ``root`` is the store root (or its ``StoreLayout``); ``secret`` the job's replication secret
+    (``auth.shared_secret``). The server runs from construction until ``close()``."""
+
+    def __init__(
+        self,
+        root: Path | str | StoreLayout,
+        job_id: str,
+        secret: bytes,
+        bind_host: str,
+        port: int = 0,
+        *,
+        max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        io_timeout_s: float = DEFAULT_IO_TIMEOUT_S,
+        window_s: float = DEFAULT_WINDOW_S,
+    ) -> None:
+        job_id = validate_name(job_id, "job id")
+        if isinstance(root, StoreLayout):
+            if root.job_id != job_id:
+                raise ValueError(f"the layout is for job {root.job_id!r}, the server for job {job_id!r}")
+            self.layout = root
+        else:
+            self.layout = StoreLayout(Path(root), job_id)
+        self.job_id = job_id
+        self.verifier = RequestVerifier(secret, job_id, window_s)
+        self.max_file_bytes = max_file_bytes
+        self.io_timeout_s = io_timeout_s
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._lock = threading.Lock()
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._closing = False
+        removed = remove_stale_parts(replicas_dir(self.layout))
+        if removed:
+            log.info("removed %d partial replica files left by crashed transfers", removed)
+        self._listener = _listen(bind_host, port)
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, name="dcp_memstore-peer-accept", daemon=True
+        )
+        self._accept_thread.start()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """(host, port) the server listens on."""
+        host, port = self._listener.getsockname()[:2]
+        return host, port
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop accepting, end every connection (transfers in flight are dropped and leave no file), and
+        join the server's threads (up to ``timeout`` seconds)."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            conns = list(self._conns.items())
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+        self._listener.close()
+        for conn, _ in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)  # wakes a blocked recv/send
+        deadline = time.monotonic() + timeout
+        self._accept_thread.join(max(0.0, deadline - time.monotonic()))
+        for _, thread in conns:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def __enter__(self) -> PeerServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- connections -------------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while not self._closing:
+            try:
+                conn, peer = self._listener.accept()
+            except OSError:
+                if self._closing:
+                    return
+                log.exception("peer server of job %s: accept failed", self.job_id)
+                time.sleep(0.1)
+                continue
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(self.io_timeout_s)
+            if not self._slots.acquire(blocking=False):
+                log.warning("peer server of job %s: refusing %s, too many connections", self.job_id, peer)
+                _refuse(conn, "busy", "the server has too many connections; retry later", drain=False)
+                continue
+            thread = threading.Thread(
+                target=self._serve, args=(conn, peer), name="dcp_memstore-peer-conn", daemon=True
+            )
+            with self._lock:
+                if self._closing:
+                    self._slots.release()
+                    conn.close()
+                    return
+                self._conns[conn] = thread
+            try:
+                thread.start()
+            except RuntimeError as e:  # the process is out of threads: refuse this one, keep serving
+                with self._lock:
+                    self._conns.pop(conn, None)
+                self._slots.release()
+                _refuse(conn, "busy", f"the server cannot start a thread ({e}); retry later", drain=False)
+
+    def _serve(self, conn: socket.socket, peer: tuple) -> None:
+        nonce: bytes | None = None
+        try:
+            while not self._closing:
+                nonce = None
+                try:
+                    header = wire.recv_header(conn, eof_ok=True)
+                    if header is None:
+                        return
+                    op = wire.validate_request(header)
+                    self.verifier.verify(header)
+                except (wire.ProtocolError, AuthError) as e:
+                    code = "auth" if isinstance(e, AuthError) else "bad_request"
+                    log.warning("peer server of job %s: refused a request from %s: %s", self.job_id, peer, e)
+                    _refuse(conn, code, str(e))
+                    return
+                nonce = header["nonce"]
+                handler = {
+                    "ping": self._op_ping,
+                    "stat": self._op_stat,
+                    "put": self._op_put,
+                    "get": self._op_get,
+                }
+                try:
+                    handler[op](conn, header, nonce)
+                except _Refusal as e:
+                    log.info(
+                        "peer server of job %s: %s request from %s refused: %s", self.job_id, op, peer, e
+                    )
+                    _refuse(conn, e.code, str(e), self.verifier.secret, nonce)
+                    return
+                except wire.ProtocolError as e:
+                    _refuse(conn, "bad_request", str(e), self.verifier.secret, nonce)
+                    return
+        except OSError as e:  # the peer went away, timed out, or close() ended it
+            if not self._closing:
+                log.info("peer server of job %s: connection from %s ended: %s", self.job_id, peer, e)
+        except Exception as e:
+            log.exception("peer server of job %s: error serving %s", self.job_id, peer)
+            _refuse(conn, "internal", f"internal error: {type(e).__name__}: {e}", self.verifier.secret, nonce)
+        finally:
+            conn.close()
+            with self._lock:
+                self._conns.pop(conn, None)
+            self._slots.release()
+
+    def _reply(self, conn: socket.socket, nonce: bytes, fields: dict) -> None:
+        try:
+            frame = wire.pack_frame(sign_reply({"ok": True, **fields}, self.verifier.secret, nonce))
+        except wire.ProtocolError as e:
+            raise _Refusal("too_large", f"the reply does not fit in one header: {e}") from e
+        conn.sendall(frame)
+
+    # --- ops ---------------------------------------------------------------------------------------
+
+    def _op_ping(self, conn: socket.socket, header: dict, nonce: bytes) -> None:
+        self._reply(conn, nonce, {})
+
+    def _op_stat(self, conn: socket.socket, header: dict, nonce: bytes) -> None:
+        checkpoint = _name(header["checkpoint"], "checkpoint id")
+        own_dir = self.layout.checkpoint_dir(checkpoint)
+        replicas = {}
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            for e in os.scandir(replicas_dir(self.layout)):
+                with contextlib.suppress(ValueError):
+                    validate_name(e.name, "source node")
+                    files = _list_files(Path(e.path) / checkpoint)
+                    if files:
+                        replicas[e.name] = files
+        own = _list_files(own_dir)
+        self._reply(conn, nonce, {"own": own, "committed": COMMITTED in own, "replicas": replicas})
+
+    def _op_put(self, conn: socket.socket, header: dict, nonce: bytes) -> None:
+        source = _name(header["source"], "source node")
+        checkpoint = _name(header["checkpoint"], "checkpoint id")
+        file = _file_name(header["file"])
+        size = header["size"]
+        if size > self.max_file_bytes:
+            raise _Refusal(
+                "too_large",
+                f"file {file} of {size} bytes exceeds this server's limit of {self.max_file_bytes} bytes "
+                f"(PeerServer max_file_bytes)",
+            )
+        dest = replica_dir(self.layout, source, checkpoint)
+        try:
+            dest.mkdir(parents=True, exist_ok=True)
+            incoming = IncomingFile(dest / file, size)
+        except InsufficientSpaceError as e:
+            raise _Refusal("no_space", str(e)) from None
+        except OSError as e:
+            raise _Refusal("io_error", f"cannot create {dest / file}: {e}") from None
+        start = time.perf_counter()
+        with incoming:
+            self._reply(conn, nonce, {})  # go ahead: the file has room
+            actual = wire.recv_payload(conn, incoming.view)
+            expected = wire.recv_trailer(conn)
+            if actual != expected:
+                raise _Refusal(
+                    "checksum",
+                    f"file {file} of checkpoint {checkpoint} from node {source} arrived corrupt (xxh3_64 "
+                    f"{actual:#018x}, sender computed {expected:#018x}); nothing was kept, send it again",
+                )
+            incoming.commit()
+        self._reply(conn, nonce, {})
+        seconds = time.perf_counter() - start
+        log.debug(
+            "peer server of job %s: stored %s/%s/%s (%d bytes, %.3f s, %.2f GB/s)",
+            self.job_id, source, checkpoint, file, size, seconds, size / max(seconds, 1e-9) / 1e9,
+        )  # fmt: skip
+
+    def _op_get(self, conn: socket.socket, header: dict, nonce: bytes) -> None:
+        checkpoint = _name(header["checkpoint"], "checkpoint id")
+        file = _file_name(header["file"])
+        source = header["source"]
+        if source is None:
+            path, what = self.layout.checkpoint_dir(checkpoint) / file, "this node's copy"
+        else:
+            source = _name(source, "source node")
+            path, what = replica_dir(self.layout, source, checkpoint) / file, f"the replica of node {source}"
+        try:
+            source_file = OutgoingFile(path, header["offset"], header["length"])
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise _Refusal("not_found", f"no file {file} of checkpoint {checkpoint} in {what}") from None
+        except ValueError as e:
+            raise _Refusal("bad_request", f"file {file} of checkpoint {checkpoint} in {what}: {e}") from None
+        except OSError as e:
+            raise _Refusal(
+                "io_error", f"cannot open file {file} of checkpoint {checkpoint} in {what}: {e}"
+            ) from None
+        with source_file:
+            self._reply(conn, nonce, {"size": source_file.length})
+            wire.send_trailer(conn, wire.send_payload(conn, source_file.view))
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host`` (a name or address, IPv4 or IPv6) and ``port`` (0: any)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise OSError(f"cannot resolve the replication bind address {host!r}: {e}") from e
+    family, _, _, _, sockaddr = infos[0]
+    try:
+        return socket.create_server(sockaddr, family=family, backlog=128)
+    except OSError as e:
+        raise OSError(
+            e.errno, f"cannot listen for replication peers on {host!r} port {port}: {e.strerror or e}"
+        ) from e
+
+
+def _refuse(
+    conn: socket.socket,
+    code: str,
+    message: str,
+    secret: bytes | None = None,
+    nonce: bytes | None = None,
+    drain: bool = True,
+) -> None:
+    """Send an error reply (signed if the request was authenticated), then close the connection without
+    losing the reply: stop sending, read what the peer had already sent (bounded, so closing with unread
+    data does not reset the connection before the peer reads the reply), close. ``drain=False`` (the
+    accept thread, which must not wait) closes at once."""
+    reply = {"ok": False, "code": code, "error": message}
+    if secret is not None and nonce is not None:
+        reply = sign_reply(reply, secret, nonce)
+    try:
+        with contextlib.suppress(wire.ProtocolError):
+            conn.sendall(wire.pack_frame(reply))
+        if not drain:
+            return
+        conn.shutdown(socket.SHUT_WR)
+        conn.settimeout(_DRAIN_S)
+        deadline, drained = time.monotonic() + _DRAIN_S, 0
+        while drained < _DRAIN_BYTES and time.monotonic() < deadline:
+            chunk = conn.recv(64 << 10)
+            if not chunk:
+                break
+            drained += len(chunk)
+    except OSError:
+        pass
+    finally:
+        conn.close()

@@ -1,0 +1,240 @@
+"""The TCP transport: moves checkpoint files to and from peers' ``PeerServer``s with the wire format.
+
+One connection per call, so a failed call leaves nothing behind to go stale and calls from several threads
+run side by side on their own connections. Sent bytes are streamed from the file's mapping (the one the
+writer already has, through the process's mapping cache) and received bytes land straight in the
+destination file's mapping. Every request is signed and every reply's signature checked (``auth``).
+Nothing is retried here: the caller decides.
+
+Errors name the peer and what was being done: ConnectionError (unreachable, connection lost), TimeoutError
+(the peer stayed silent for ``timeout_s``), ReplicationError (the peer refused, or answered nonsense).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from dcp_memstore.replication import wire
+from dcp_memstore.replication.auth import AuthError, check_secret, sign_request, verify_reply
+from dcp_memstore.replication.transport import (
+    IncomingFile,
+    OutgoingFile,
+    PeerAddress,
+    ReplicationError,
+    Transport,
+    format_peer,
+    validate_file_name,
+)
+from dcp_memstore.store.ids import validate_name
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class _Call:
+    """One request's connection. ``run`` performs a socket operation and turns its failures into errors
+    that name the peer and what was being done."""
+
+    def __init__(self, transport: TcpTransport, peer: PeerAddress, what: str) -> None:
+        self.transport, self.peer, self.what = transport, (peer[0], int(peer[1])), what
+        self.sock: socket.socket | None = None
+
+    def connect(self) -> None:
+        try:
+            self.sock = socket.create_connection(self.peer, timeout=self.transport.timeout_s)
+        except TimeoutError as e:
+            raise TimeoutError(
+                f"peer {format_peer(self.peer)} did not accept a connection within "
+                f"{self.transport.timeout_s} s ({self.what})"
+            ) from e
+        except OSError as e:
+            raise ConnectionError(
+                f"cannot connect to peer {format_peer(self.peer)} ({self.what}): {e}. Is its replication "
+                f"server running and reachable from this node?"
+            ) from e
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def run(self, fn, *args):
+        try:
+            return fn(self.sock, *args)
+        except TimeoutError as e:
+            raise TimeoutError(
+                f"peer {format_peer(self.peer)} was silent for {self.transport.timeout_s} s ({self.what})"
+            ) from e
+        except OSError as e:
+            raise ConnectionError(
+                f"lost the connection to peer {format_peer(self.peer)} ({self.what}): {e}"
+            ) from e
+        except wire.ProtocolError as e:
+            raise ReplicationError(
+                self.peer, "protocol", f"sent a malformed message ({self.what}): {e}"
+            ) from e
+
+    def request(self, op: str, fields: dict) -> tuple[bytes, dict]:
+        """Send a signed ``op`` request; return its nonce and the peer's (verified) reply."""
+        header = sign_request({"op": op, **fields}, self.transport.secret, self.transport.job_id)
+        self.run(wire.send_header, header)
+        return header["nonce"], self.reply(op, header["nonce"])
+
+    def reply(self, op: str, nonce: bytes) -> dict:
+        """Receive and check the reply to the ``op`` request with ``nonce``; raise ReplicationError if it
+        is a refusal or is not signed by a peer of this job."""
+        header = self.run(wire.recv_header)
+        try:
+            reply = wire.validate_reply(header, op)
+        except wire.ProtocolError as e:
+            raise ReplicationError(self.peer, "protocol", f"sent a malformed reply ({self.what}): {e}") from e
+        if not reply["ok"]:
+            hint = (
+                f" Do both nodes run job {self.transport.job_id!r} with the same replication secret?"
+                if reply["code"] == "auth"
+                else ""
+            )
+            raise ReplicationError(self.peer, reply["code"], f"refused {self.what}: {reply['error']}.{hint}")
+        try:
+            verify_reply(reply, self.transport.secret, nonce)
+        except AuthError as e:
+            raise ReplicationError(
+                self.peer, "auth", f"its reply failed authentication ({self.what}): {e}"
+            ) from e
+        return reply
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+
+
+class TcpTransport(Transport):
+    """Transport over TCP to peers' ``PeerServer``s of job ``job_id`` holding ``secret``.
+
+    ``timeout_s`` bounds connecting and each wait for the peer (not a whole transfer)."""
+
+    def __init__(self, job_id: str, secret: bytes, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.job_id = validate_name(job_id, "job id")
+        self.secret = check_secret(secret)
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._calls: set[_Call] = set()
+        self._closed = False
+
+    @contextlib.contextmanager
+    def _call(self, peer: PeerAddress, what: str) -> Iterator[_Call]:
+        call = _Call(self, peer, what)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"the TCP transport of job {self.job_id!r} is closed")
+            self._calls.add(call)
+        try:
+            call.connect()
+            if self._closed:  # close() ran while connecting
+                raise RuntimeError(f"the TCP transport of job {self.job_id!r} is closed")
+            yield call
+        finally:
+            with self._lock:
+                self._calls.discard(call)
+            call.close()
+
+    def ping(self, peer_addr: PeerAddress) -> float:
+        """Check that the peer's server answers and belongs to this job; return the round trip in seconds."""
+        start = time.perf_counter()
+        with self._call(peer_addr, "ping") as call:
+            call.request("ping", {})
+        return time.perf_counter() - start
+
+    def put_file(
+        self, peer_addr: PeerAddress, source_node: str, checkpoint: str, file: str, path: Path
+    ) -> None:
+        source_node = validate_name(source_node, "source node")
+        checkpoint = validate_name(checkpoint, "checkpoint id")
+        file = validate_file_name(file)
+        what = f"sending file {file} of checkpoint {checkpoint} of node {source_node}"
+        with OutgoingFile(Path(path)) as source, self._call(peer_addr, what) as call:
+            fields = {"source": source_node, "checkpoint": checkpoint, "file": file, "size": source.length}
+            nonce, _ = call.request("put", fields)
+            call.run(wire.send_trailer, call.run(wire.send_payload, source.view))
+            call.reply("put", nonce)
+
+    def get_file(
+        self,
+        peer_addr: PeerAddress,
+        checkpoint: str,
+        file: str,
+        dest_path: Path,
+        source_node: str | None = None,
+    ) -> None:
+        with self._get(peer_addr, checkpoint, file, source_node, 0, None) as (call, size):
+            incoming = IncomingFile(Path(dest_path), size)  # refused here (no space): nothing is received
+            with incoming:
+                self._receive(call, incoming.view)
+                incoming.commit()
+
+    def read_range(
+        self,
+        peer_addr: PeerAddress,
+        checkpoint: str,
+        file: str,
+        offset: int,
+        out: memoryview,
+        source_node: str | None = None,
+    ) -> None:
+        """Fetch ``len(out)`` bytes of file ``file`` of checkpoint ``checkpoint`` from ``offset`` straight
+        into the writable buffer ``out`` (e.g. a tensor's memory), checksum verified."""
+        out = memoryview(out).cast("B")
+        with self._get(peer_addr, checkpoint, file, source_node, offset, len(out)) as (call, size):
+            if size != len(out):
+                raise ReplicationError(
+                    call.peer, "protocol", f"announced {size} bytes for a {len(out)}-byte range"
+                )
+            self._receive(call, out)
+
+    def stat(self, peer_addr: PeerAddress, checkpoint: str) -> dict:
+        checkpoint = validate_name(checkpoint, "checkpoint id")
+        with self._call(peer_addr, f"asking what it holds of checkpoint {checkpoint}") as call:
+            _, reply = call.request("stat", {"checkpoint": checkpoint})
+        return {"own": reply["own"], "committed": reply["committed"], "replicas": reply["replicas"]}
+
+    def close(self) -> None:
+        """Refuse new calls and end those in flight (their sockets are shut down)."""
+        with self._lock:
+            self._closed = True
+            calls = list(self._calls)
+        for call in calls:
+            if call.sock is not None:
+                with contextlib.suppress(OSError):
+                    call.sock.shutdown(socket.SHUT_RDWR)
+
+    @contextlib.contextmanager
+    def _get(
+        self,
+        peer: PeerAddress,
+        checkpoint: str,
+        file: str,
+        source_node: str | None,
+        offset: int,
+        length: int | None,
+    ) -> Iterator[tuple[_Call, int]]:
+        checkpoint = validate_name(checkpoint, "checkpoint id")
+        file = validate_file_name(file)
+        if source_node is not None:
+            source_node = validate_name(source_node, "source node")
+        where = "its own copy" if source_node is None else f"its replica of node {source_node}"
+        with self._call(peer, f"fetching file {file} of checkpoint {checkpoint} from {where}") as call:
+            fields = {"checkpoint": checkpoint, "file": file, "source": source_node}
+            _, reply = call.request("get", {**fields, "offset": offset, "length": length})
+            yield call, reply["size"]
+
+    @staticmethod
+    def _receive(call: _Call, view: memoryview) -> None:
+        actual = call.run(wire.recv_payload, view)
+        expected = call.run(wire.recv_trailer)
+        if actual != expected:
+            raise ReplicationError(
+                call.peer,
+                "checksum",
+                f"sent corrupt bytes ({call.what}): xxh3_64 {actual:#018x}, the peer computed "
+                f"{expected:#018x}; nothing was kept, fetch it again",
+            )

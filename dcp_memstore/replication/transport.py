@@ -1,0 +1,270 @@
+"""What a replication transport offers (``Transport``), and the file handling every transport shares.
+
+A transport moves whole files between this process and a peer's server: pushes a node's checkpoint files to
+the peer that keeps their replica, fetches them back to restore a node, and asks what a peer holds. It
+retries nothing itself; the caller (the replicator) decides what to retry and when.
+
+Received bytes land in an ``IncomingFile``: a hidden temporary file next to the final path, allocated to its
+full size first (a full tmpfs is an error then, never a SIGBUS later), mapped, filled straight from the
+network, and renamed into place only after its checksum matched. Readers never see a partial file, and a
+failed transfer leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import re
+import uuid
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+
+from dcp_memstore.store.checksum import memory_view
+from dcp_memstore.store.ids import MAX_ID_LENGTH, validate_name
+from dcp_memstore.store.mapping import MAPPINGS, MappedFile
+from dcp_memstore.store.space import allocate_file, check_space
+
+PeerAddress = tuple[str, int]
+PAGE = os.sysconf("SC_PAGE_SIZE")
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_PART_RE = re.compile(r"\..+\.part-(\d+)-[0-9a-f]{8}")
+_FILE_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+
+
+def validate_file_name(value: object) -> str:
+    """``value`` if it is a valid name of a file in a checkpoint directory, else ValueError saying why.
+
+    The rules of ``validate_name``, except that a file name may also start with '_' (shard files are named
+    ``__<rank>_<n>.shard``). Never a path, never '..', never hidden (names starting with '.' are reserved
+    for temporary files)."""
+    try:
+        return validate_name(value, "file name")
+    except ValueError:
+        if (
+            isinstance(value, str)
+            and len(value) <= MAX_ID_LENGTH
+            and ".." not in value
+            and _FILE_RE.fullmatch(value)
+        ):
+            return value
+        raise
+
+
+def format_peer(peer: PeerAddress) -> str:
+    """``host:port`` (``[host]:port`` for IPv6) for messages."""
+    host, port = peer[0], peer[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class ReplicationError(RuntimeError):
+    """A peer refused or failed a request; ``code`` says what kind of failure (``auth``, ``not_found``,
+    ``no_space``, ``checksum``, ``too_large``, ``bad_request``, ``busy``, ``io_error``, ``protocol``)."""
+
+    def __init__(self, peer: PeerAddress, code: str, message: str) -> None:
+        self.peer, self.code = peer, code
+        super().__init__(f"peer {format_peer(peer)}: {message} [{code}]")
+
+
+class Transport(ABC):
+    """Moves checkpoint files between this process and peers' servers. Methods raise ConnectionError or
+    TimeoutError (naming the peer) when the peer cannot be reached or stops answering, and ReplicationError
+    when it refuses a request. Implementations are safe to use from several threads at once."""
+
+    @abstractmethod
+    def put_file(
+        self, peer_addr: PeerAddress, source_node: str, checkpoint: str, file: str, path: Path
+    ) -> None:
+        """Store the local file ``path`` on the peer as file ``file`` of its replica of checkpoint
+        ``checkpoint`` from node ``source_node``; returns once the peer has verified and kept it."""
+
+    @abstractmethod
+    def get_file(
+        self,
+        peer_addr: PeerAddress,
+        checkpoint: str,
+        file: str,
+        dest_path: Path,
+        source_node: str | None = None,
+    ) -> None:
+        """Fetch file ``file`` of checkpoint ``checkpoint`` from the peer (its own copy, or with
+        ``source_node`` its replica of that node's) to ``dest_path``, which appears only once verified."""
+
+    @abstractmethod
+    def stat(self, peer_addr: PeerAddress, checkpoint: str) -> dict:
+        """What the peer holds of ``checkpoint``: ``{"own": {file: size}, "committed": bool,
+        "replicas": {source_node: {file: size}}}``."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the transport's resources; calls in flight end with an error."""
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class FileRange:
+    """Bytes ``[offset, offset + length)`` of the open file ``fd``, mapped shared with their pages populated
+    (one system call instead of a page fault per page), until ``close()``. Mapped with mmap(2) directly, so
+    closing never waits for Python buffer exports to go away; the caller keeps views no longer than this."""
+
+    def __init__(self, fd: int, offset: int, length: int, writable: bool) -> None:
+        start = offset - offset % PAGE
+        self._length = length + (offset - start)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        base = _libc.mmap(None, self._length, prot, mmap.MAP_SHARED | mmap.MAP_POPULATE, fd, start)
+        if base is None or base == _MAP_FAILED:
+            err = ctypes.get_errno()
+            raise OSError(err, f"cannot map {length} bytes of a file: {os.strerror(err)}")
+        self._base: int | None = base
+        self.address = base + (offset - start)
+
+    def close(self) -> None:
+        if self._base is not None:
+            _libc.munmap(self._base, self._length)
+            self._base = None
+
+
+class IncomingFile:
+    """A file being received into ``path``: a hidden temporary file of ``size`` bytes beside it, allocated
+    in full and mapped for writing (``view``). ``commit()`` renames it into place; leaving the ``with`` block
+    without a commit (or ``abort()``) deletes it. Either way the mapping is dropped (the process's mapping
+    cache never holds received files, so they cost no descriptors once written).
+
+    Raises InsufficientSpaceError (and leaves nothing) if ``size`` bytes do not fit."""
+
+    def __init__(self, path: Path, size: int) -> None:
+        self.path, self.size = Path(path), size
+        self.tmp = self.path.with_name(f".{self.path.name}.part-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self._range: FileRange | None = None
+        self._done = False
+        check_space(self.path.parent, size)
+        fd = allocate_file(self.tmp, size)
+        try:
+            if size:
+                self._range = FileRange(fd, 0, size, writable=True)
+        except BaseException:
+            self.tmp.unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(fd)
+
+    @property
+    def view(self) -> memoryview:
+        """The file's bytes, writable, with no copy; valid until ``commit()`` or ``abort()``."""
+        if self._range is None:
+            return memoryview(bytearray())
+        return memory_view(self._range.address, self.size).cast("B")
+
+    def commit(self) -> None:
+        """Make the file visible under its final name (atomic; replaces an older file of that name)."""
+        self._unmap()
+        os.rename(self.tmp, self.path)
+        self._done = True
+
+    def abort(self) -> None:
+        """Delete the temporary file (no-op after ``commit``)."""
+        self._unmap()
+        if not self._done:
+            self._done = True
+            self.tmp.unlink(missing_ok=True)
+
+    def _unmap(self) -> None:
+        if self._range is not None:
+            self._range.close()
+            self._range = None
+
+    def __enter__(self) -> IncomingFile:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.abort()
+
+
+class OutgoingFile:
+    """Bytes ``[offset, offset + length)`` (default: to the end) of the file at ``path``, to send: ``view``.
+
+    Seen through the process's cached mapping when the file is already mapped here (a file this process
+    wrote: no new page faults), else through a mapping of just that range, dropped by ``close()``. Symlinks
+    are not followed. Raises ValueError for a range outside the file."""
+
+    def __init__(self, path: Path, offset: int = 0, length: int | None = None) -> None:
+        self._range: FileRange | None = None
+        self._cached: MappedFile | None = None
+        self.address = 0
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            st = os.fstat(fd)
+            self.file_size = st.st_size
+            self.length = max(0, st.st_size - offset) if length is None else length
+            if offset + self.length > st.st_size:
+                raise ValueError(
+                    f"range [{offset}, {offset + self.length}) is outside {path} ({st.st_size} bytes)"
+                )
+            if self.length and MAPPINGS.is_mapped((st.st_dev, st.st_ino)):
+                self._cached = MAPPINGS.map_fd(fd, populate_write=False)  # takes the descriptor
+                fd = -1
+                self.address = self._cached.address + offset
+            elif self.length:
+                self._range = FileRange(fd, offset, self.length, writable=False)
+                self.address = self._range.address
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    @property
+    def view(self) -> memoryview:
+        """The range's bytes, read-only use, no copy; valid until ``close()``."""
+        return memory_view(self.address, self.length) if self.length else memoryview(b"")
+
+    def close(self) -> None:
+        if self._range is not None:
+            self._range.close()
+            self._range = None
+        self._cached = None
+
+    def __enter__(self) -> OutgoingFile:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def remove_stale_parts(directory: Path) -> int:
+    """Delete temporary files of transfers whose receiving process is gone (a crash mid-transfer) anywhere
+    under ``directory``; return how many. Files of live processes (another rank's server) are kept."""
+    removed = 0
+    for dirpath, _, names in os.walk(directory):
+        for name in names:
+            m = _PART_RE.fullmatch(name)
+            if m and not _pid_alive(int(m.group(1))):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(dirpath, name))
+                    removed += 1
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

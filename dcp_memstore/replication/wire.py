@@ -1,0 +1,277 @@
+"""The replication wire format: framed msgpack headers and raw payloads; nothing is ever unpickled.
+
+A frame is::
+
+    b"DCPM" | version (1 byte) | 3 reserved zero bytes | header length (4 bytes, big-endian) | header
+
+where the header is a msgpack map of at most ``MAX_HEADER_BYTES``; a longer one is refused before it is read.
+A message that announces a payload (a ``put`` request, a ``get`` reply: field ``size``) is followed by exactly
+``size`` raw bytes and then a trailer frame ``{"op": "end", "checksum": <xxh3-64>}``. The checksum comes after
+the bytes, not in the header, so each end hashes every chunk while it is still in cache from the socket copy
+(one pass over memory; a separate hashing pass before sending would cost a second one).
+
+Conversations (one or more per connection; every request is authenticated, see ``auth``)::
+
+    ping: request                                         -> reply
+    stat: request {checkpoint}                            -> reply {own, committed, replicas}
+    put:  request {source, checkpoint, file, size}        -> reply (go-ahead or refusal)
+          payload, trailer                                -> reply (stored, or refused: checksum, ...)
+    get:  request {checkpoint, file, source, offset, length} -> reply {size}, payload, trailer
+
+The ``put`` go-ahead costs one round trip per file, and in exchange a refused file (no space, too large,
+bad name, unauthenticated) is refused before any of its bytes travel.
+
+Every header is validated strictly: exact field sets, exact types (a bool is not an int), unknown ops refused.
+Payloads move without copies in this process: ``sendall`` of memoryview slices of the file's mapping, and
+``recv_into`` straight into the destination file's mapping.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import msgpack
+import xxhash
+
+MAGIC = b"DCPM"
+VERSION = 1
+PREFIX = MAGIC + bytes([VERSION]) + b"\0\0\0"
+_FRAME = struct.Struct(">8sI")  # prefix, header length
+MAX_HEADER_BYTES = 64 << 10
+CHUNK = 1 << 20  # payload piece: one send/recv-and-hash step, small enough to stay in L2
+U64 = 1 << 64
+
+
+class ProtocolError(ValueError):
+    """A frame or header that breaks the wire format (wrong magic, bad field, oversized header, ...)."""
+
+
+# --- field validators -----------------------------------------------------------------------------
+
+
+def _uint(v: Any) -> bool:
+    return type(v) is int and 0 <= v < U64
+
+
+def _str(v: Any) -> bool:
+    return type(v) is str
+
+
+def _bytes(v: Any) -> bool:
+    return type(v) is bytes
+
+
+def _bool(v: Any) -> bool:
+    return type(v) is bool
+
+
+def _file_sizes(v: Any) -> bool:
+    return type(v) is dict and all(_str(k) and _uint(s) for k, s in v.items())
+
+
+def _replica_files(v: Any) -> bool:
+    return type(v) is dict and all(_str(k) and _file_sizes(f) for k, f in v.items())
+
+
+_TYPE_NAMES = {
+    _uint: "an unsigned 64-bit int",
+    _str: "a str",
+    _bytes: "bytes",
+    _bool: "a bool",
+    _file_sizes: "a map of file name to size",
+    _replica_files: "a map of source node to a map of file name to size",
+}
+
+
+def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    def optional(v: Any) -> bool:
+        return v is None or check(v)
+
+    _TYPE_NAMES[optional] = f"{_TYPE_NAMES[check]} or nil"
+    return optional
+
+
+# Fields every request carries (values checked by auth.RequestVerifier).
+AUTH_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "op": _str,
+    "job": _str,
+    "ts": _uint,
+    "nonce": _bytes,
+    "mac": _bytes,
+}
+
+# Request fields by op, besides AUTH_FIELDS. Every field is required; no other field is allowed.
+REQUESTS: dict[str, dict[str, Callable[[Any], bool]]] = {
+    "ping": {},
+    "stat": {"checkpoint": _str},
+    "put": {"source": _str, "checkpoint": _str, "file": _str, "size": _uint},
+    "get": {
+        "checkpoint": _str,
+        "file": _str,
+        "source": _optional(_str),
+        "offset": _uint,
+        "length": _optional(_uint),
+    },
+}
+
+# Fields of a successful reply, by op, besides "ok", "re" (the request's nonce) and "mac".
+REPLIES: dict[str, dict[str, Callable[[Any], bool]]] = {
+    "ping": {},
+    "stat": {"own": _file_sizes, "committed": _bool, "replicas": _replica_files},
+    "put": {},
+    "get": {"size": _uint},
+}
+
+_TRAILER = {"op": _str, "checksum": _uint}
+
+
+def _check_fields(header: Mapping, fields: Mapping[str, Callable[[Any], bool]], what: str) -> None:
+    missing = [k for k in fields if k not in header]
+    extra = [k for k in header if k not in fields]
+    if missing or extra:
+        raise ProtocolError(
+            f"{what} has the wrong fields (missing {sorted(missing)}, unexpected {sorted(map(repr, extra))})"
+        )
+    for k, check in fields.items():
+        if not check(header[k]):
+            expected = _TYPE_NAMES.get(check, "a valid value")
+            raise ProtocolError(f"{what} field {k!r} must be {expected}, got {type(header[k]).__name__}")
+
+
+def validate_request(header: Mapping) -> str:
+    """Check a request header's fields and types; return its op. Raises ProtocolError."""
+    op = header.get("op")
+    if op not in REQUESTS:
+        raise ProtocolError(f"unknown op {op!r}; this server knows {sorted(REQUESTS)}")
+    _check_fields(header, {**AUTH_FIELDS, **REQUESTS[op]}, f"{op} request")
+    return op
+
+
+def validate_reply(header: Mapping, op: str) -> dict:
+    """Check a reply to an ``op`` request. An error reply (``ok`` false) must have ``code`` and ``error``
+    and may be unsigned (a refused request gets no MAC); a success reply must be signed."""
+    ok = header.get("ok")
+    if ok is False:
+        signed = {"re": _bytes, "mac": _bytes} if "mac" in header else {}
+        _check_fields(header, {"ok": _bool, "code": _str, "error": _str, **signed}, f"{op} error reply")
+    elif ok is True:
+        _check_fields(header, {"ok": _bool, "re": _bytes, "mac": _bytes, **REPLIES[op]}, f"{op} reply")
+    else:
+        raise ProtocolError(f"{op} reply field 'ok' must be a bool, got {type(ok).__name__}")
+    return dict(header)
+
+
+# --- frames ---------------------------------------------------------------------------------------
+
+
+def pack_frame(header: Mapping) -> bytes:
+    """Encode ``header`` as one frame. Raises ProtocolError if its encoding exceeds MAX_HEADER_BYTES."""
+    body = msgpack.packb(header, use_bin_type=True)
+    if len(body) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(body)} bytes exceeds the {MAX_HEADER_BYTES}-byte limit")
+    return _FRAME.pack(PREFIX, len(body)) + body
+
+
+def send_header(sock: socket.socket, header: Mapping) -> None:
+    """Send ``header`` as one frame."""
+    sock.sendall(pack_frame(header))
+
+
+def _recv_exact(sock: socket.socket, n: int, what: str) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError(f"the peer closed the connection after {got} of {n} bytes of {what}")
+        got += k
+    return buf
+
+
+def recv_header(sock: socket.socket, eof_ok: bool = False) -> dict | None:
+    """Receive one frame and return its header (a dict with str keys).
+
+    Returns None if the peer closed the connection cleanly before the frame's first byte and ``eof_ok``;
+    raises ConnectionError if it closes mid-frame and ProtocolError for anything malformed. An oversized
+    header is refused from its length field, before its body is read."""
+    first = sock.recv(_FRAME.size)
+    if not first:
+        if eof_ok:
+            return None
+        raise ConnectionError("the peer closed the connection instead of answering")
+    if len(first) < _FRAME.size:
+        first += _recv_exact(sock, _FRAME.size - len(first), "a frame prefix")
+    prefix, length = _FRAME.unpack(first)
+    if prefix[:4] != MAGIC:
+        raise ProtocolError(
+            f"not a dcp_memstore replication frame (magic {bytes(prefix[:4])!r}, want {MAGIC!r})"
+        )
+    if prefix[4] != VERSION:
+        raise ProtocolError(
+            f"wire version {prefix[4]} is not supported (this build speaks version {VERSION})"
+        )
+    if prefix[5:] != b"\0\0\0":
+        raise ProtocolError("reserved bytes of the frame prefix are not zero")
+    if length == 0 or length > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header length {length} is outside 1..{MAX_HEADER_BYTES} bytes")
+    body = _recv_exact(sock, length, "a header")
+    try:
+        header = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
+    except Exception as e:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError(f"header is not valid msgpack: {type(e).__name__}: {e}") from e
+    if type(header) is not dict:
+        raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
+    return header
+
+
+# --- payloads -------------------------------------------------------------------------------------
+
+
+def send_payload(sock: socket.socket, view: memoryview) -> int:
+    """Send the bytes of ``view`` in CHUNK-sized slices (no copies here); return their xxh3-64."""
+    view = view.cast("B") if view.format != "B" else view
+    h = xxhash.xxh3_64()
+    for off in range(0, len(view), CHUNK):
+        piece = view[off : off + CHUNK]
+        h.update(piece)  # hash first: the kernel's copy then reads the piece from cache
+        sock.sendall(piece)
+    return h.intdigest()
+
+
+def recv_payload(sock: socket.socket, view: memoryview) -> int:
+    """Receive exactly ``len(view)`` bytes straight into the writable ``view``; return their xxh3-64.
+    Raises ConnectionError if the peer closes first."""
+    view = view.cast("B") if view.format != "B" else view
+    h = xxhash.xxh3_64()
+    n = len(view)
+    for off in range(0, n, CHUNK):
+        piece = view[off : off + CHUNK]
+        got = 0
+        while got < len(piece):
+            k = sock.recv_into(piece[got:])
+            if k == 0:
+                raise ConnectionError(
+                    f"the peer closed the connection after {off + got} of {n} payload bytes"
+                )
+            got += k
+        h.update(piece)
+    return h.intdigest()
+
+
+def send_trailer(sock: socket.socket, checksum: int) -> None:
+    """Send the frame that ends a payload: its xxh3-64 checksum."""
+    send_header(sock, {"op": "end", "checksum": checksum})
+
+
+def recv_trailer(sock: socket.socket) -> int:
+    """Receive the frame that ends a payload and return the checksum it announces."""
+    header = recv_header(sock)
+    assert header is not None
+    _check_fields(header, _TRAILER, "payload trailer")
+    if header["op"] != "end":
+        raise ProtocolError(f"expected the payload trailer (op 'end'), got op {header['op']!r}")
+    return header["checksum"]

@@ -1,0 +1,520 @@
+"""The peer server and the TCP transport over real sockets on 127.0.0.1 and real tmpfs directories:
+round trips, refusals (authentication, path tricks, sizes, malformed frames, corrupt payloads, a full tmpfs)
+that leave nothing behind, concurrency, and errors that name the peer."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from dcp_memstore.errors import InsufficientSpaceError
+from dcp_memstore.replication import PeerServer, ReplicationError, TcpTransport, wire
+from dcp_memstore.replication.auth import new_secret, sign_request
+from dcp_memstore.replication.server import replica_dir
+from dcp_memstore.store.layout import COMMITTED, StoreLayout, shard_name
+
+JOB = "job"
+MiB = 1 << 20
+
+
+@pytest.fixture
+def secret() -> bytes:
+    return new_secret()
+
+
+@pytest.fixture
+def local(shm_dir) -> StoreLayout:
+    """This node's store (the sender)."""
+    lay = StoreLayout(shm_dir / "local", JOB)
+    lay.ensure()
+    return lay
+
+
+@pytest.fixture
+def peer_root(shm_dir) -> Path:
+    return shm_dir / "peer"
+
+
+@pytest.fixture
+def server(peer_root, secret):
+    srv = PeerServer(peer_root, JOB, secret, "127.0.0.1", io_timeout_s=10)
+    yield srv
+    srv.close()
+
+
+@pytest.fixture
+def transport(secret):
+    t = TcpTransport(JOB, secret, timeout_s=10)
+    yield t
+    t.close()
+
+
+def make_file(layout: StoreLayout, checkpoint: str, name: str, data: bytes) -> Path:
+    d = layout.checkpoint_dir(checkpoint)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / name).write_bytes(data)
+    return d / name
+
+
+def files_under(root: Path) -> list[str]:
+    """Every file below ``root`` (hidden temporaries included), relative to it."""
+    return sorted(os.path.relpath(os.path.join(dp, n), root) for dp, _, names in os.walk(root) for n in names)
+
+
+# --- a raw client, for what TcpTransport would never send ------------------------------------------
+
+
+def raw_connect(server: PeerServer) -> socket.socket:
+    s = socket.create_connection(server.address, timeout=10)
+    return s
+
+
+def signed(secret: bytes, op: str, **fields) -> dict:
+    return sign_request({"op": op, **fields}, secret, JOB)
+
+
+def put_header(secret: bytes, size: int, **over) -> dict:
+    fields = {"source": "node0", "checkpoint": "step-1", "file": shard_name(0, 0), "size": size, **over}
+    return signed(secret, "put", **fields)
+
+
+def refused(sock: socket.socket, code: str) -> dict:
+    """Read the error reply, check its code, and check that the server then closed the connection."""
+    reply = wire.recv_header(sock)
+    assert reply is not None and reply["ok"] is False, reply
+    assert reply["code"] == code, reply
+    assert sock.recv(1) == b""  # closed after the error reply
+    sock.close()
+    return reply
+
+
+def send_raw(server: PeerServer, header: dict) -> socket.socket:
+    s = raw_connect(server)
+    wire.send_header(s, header)
+    return s
+
+
+# --- round trips ------------------------------------------------------------------------------------
+
+
+def test_put_then_get_multi_mib_bit_exact(server, transport, local, peer_root):
+    data = os.urandom(12 * MiB + 4321)  # several payload chunks and a ragged end
+    src = make_file(local, "step-1", shard_name(0, 0), data)
+    transport.put_file(server.address, "node0", "step-1", shard_name(0, 0), src)
+
+    stored = replica_dir(StoreLayout(peer_root, JOB), "node0", "step-1") / shard_name(0, 0)
+    assert stored.read_bytes() == data
+    assert files_under(peer_root) == [f"{JOB}/replicas/node0/step-1/{shard_name(0, 0)}"]  # no temporaries
+
+    back = local.job_dir / "restored.shard"
+    transport.get_file(server.address, "step-1", shard_name(0, 0), back, source_node="node0")
+    assert back.read_bytes() == data
+
+    out = bytearray(3 * MiB)  # a range, straight into a caller's buffer
+    transport.read_range(server.address, "step-1", shard_name(0, 0), 5 * MiB + 7, memoryview(out), "node0")
+    assert bytes(out) == data[5 * MiB + 7 : 8 * MiB + 7]
+
+
+def test_get_from_own_checkpoint_dir_and_empty_file(server, transport, peer_root, local):
+    peer = StoreLayout(peer_root, JOB)
+    data = os.urandom(MiB + 1)
+    make_file(peer, "step-7", shard_name(3, 1), data)
+    make_file(peer, "step-7", "empty.bin", b"")
+    transport.get_file(server.address, "step-7", shard_name(3, 1), local.job_dir / "a")
+    assert (local.job_dir / "a").read_bytes() == data
+    transport.get_file(server.address, "step-7", "empty.bin", local.job_dir / "b")
+    assert (local.job_dir / "b").read_bytes() == b""
+    empty = make_file(local, "step-7", "e", b"")
+    transport.put_file(server.address, "node0", "step-7", "e", empty)
+    assert (replica_dir(peer, "node0", "step-7") / "e").read_bytes() == b""
+
+
+def test_put_replaces_an_older_replica_file(server, transport, local, peer_root):
+    src = make_file(local, "s", "f", b"old" * 1000)
+    transport.put_file(server.address, "node0", "s", "f", src)
+    src.write_bytes(b"new!" * 999)
+    transport.put_file(server.address, "node0", "s", "f", src)
+    assert (replica_dir(StoreLayout(peer_root, JOB), "node0", "s") / "f").read_bytes() == b"new!" * 999
+
+
+def test_stat_lists_own_and_replica_files(server, transport, local, peer_root):
+    peer = StoreLayout(peer_root, JOB)
+    make_file(peer, "step-1", shard_name(0, 0), b"x" * 10)
+    make_file(peer, "step-1", COMMITTED, b"")
+    (peer.checkpoint_dir("step-1") / "holds").mkdir()  # a directory: not listed
+    (peer.checkpoint_dir("step-1") / ".tmp-file").write_bytes(b"zz")  # hidden: not listed
+    for node, size in (("node2", 5), ("node3", 7)):
+        src = make_file(local, "step-1", f"{node}.bin", b"y" * size)
+        transport.put_file(server.address, node, "step-1", shard_name(1, 0), src)
+    src = make_file(local, "step-2", "z", b"z")
+    transport.put_file(server.address, "node2", "step-2", "z", src)
+
+    assert transport.stat(server.address, "step-1") == {
+        "own": {shard_name(0, 0): 10, COMMITTED: 0},
+        "committed": True,
+        "replicas": {"node2": {shard_name(1, 0): 5}, "node3": {shard_name(1, 0): 7}},
+    }
+    assert transport.stat(server.address, "step-2") == {
+        "own": {},
+        "committed": False,
+        "replicas": {"node2": {"z": 1}},
+    }
+    assert transport.stat(server.address, "nothing") == {"own": {}, "committed": False, "replicas": {}}
+
+
+def test_concurrent_puts_from_several_threads(server, secret, local, peer_root):
+    files = {f"f{i}": os.urandom(MiB + i * 1000) for i in range(8)}
+    paths = {n: make_file(local, "step-1", n, d) for n, d in files.items()}
+    errors: list[BaseException] = []
+    transport = TcpTransport(JOB, secret, timeout_s=10)
+
+    def push(name: str, node: str) -> None:
+        try:
+            transport.put_file(server.address, node, "step-1", name, paths[name])
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=push, args=(n, node)) for n in files for node in ("node0", "node1")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    peer = StoreLayout(peer_root, JOB)
+    for node in ("node0", "node1"):
+        for name, data in files.items():
+            assert (replica_dir(peer, node, "step-1") / name).read_bytes() == data
+    assert len(files_under(peer_root)) == 16  # no temporaries left
+
+
+def test_ping_and_several_requests_on_one_connection(server, secret):
+    s = raw_connect(server)
+    for _ in range(3):
+        h = signed(secret, "ping")
+        wire.send_header(s, h)
+        reply = wire.recv_header(s)
+        assert reply["ok"] is True and reply["re"] == h["nonce"]
+    s.close()
+
+
+# --- refusals ---------------------------------------------------------------------------------------
+
+
+def test_corrupt_payload_refused_and_nothing_kept(server, secret, peer_root):
+    data = os.urandom(3 * MiB)
+    s = send_raw(server, put_header(secret, len(data)))
+    assert wire.recv_header(s)["ok"] is True  # go-ahead
+    checksum = wire.send_payload(s, memoryview(data))
+    wire.send_trailer(s, checksum ^ 1)  # as if a bit flipped on the way
+    reply = refused(s, "checksum")
+    assert "arrived corrupt" in reply["error"]
+    assert files_under(peer_root) == []  # not the file, not its temporary
+
+
+def test_payload_cut_short_leaves_nothing(server, secret, peer_root, transport):
+    s = send_raw(server, put_header(secret, 2 * MiB))
+    assert wire.recv_header(s)["ok"] is True
+    s.sendall(b"x" * MiB)
+    s.close()
+    deadline = time.monotonic() + 5
+    while files_under(peer_root) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert files_under(peer_root) == []
+    transport.ping(server.address)  # still serving
+
+
+def test_wrong_secret_refused_and_nothing_written(server, local, peer_root):
+    src = make_file(local, "step-1", "f", b"x" * 100)
+    with TcpTransport(JOB, new_secret(), timeout_s=10) as intruder:
+        with pytest.raises(ReplicationError, match="replication secret") as e:
+            intruder.put_file(server.address, "node0", "step-1", "f", src)
+        assert e.value.code == "auth"
+        with pytest.raises(ReplicationError) as e:
+            intruder.stat(server.address, "step-1")
+        assert e.value.code == "auth"
+    s = send_raw(server, put_header(new_secret(), 10))
+    s.sendall(b"y" * 10)  # an intruder that does not wait for the go-ahead
+    refused(s, "auth")
+    assert files_under(peer_root) == []
+
+
+def test_other_job_refused(server, secret):
+    s = send_raw(server, sign_request({"op": "ping"}, secret, "other-job"))
+    assert "other-job" in refused(s, "auth")["error"]
+
+
+def test_missing_mac_refused(server, secret, peer_root):
+    h = put_header(secret, 10)
+    del h["mac"]
+    refused(send_raw(server, h), "bad_request")
+    h = put_header(secret, 10)
+    h["mac"] = b""
+    refused(send_raw(server, h), "auth")
+    assert files_under(peer_root) == []
+
+
+def test_replayed_request_refused(server, secret, peer_root):
+    data = b"r" * 1000
+    h = put_header(secret, len(data))
+    s = send_raw(server, h)
+    assert wire.recv_header(s)["ok"] is True
+    wire.send_trailer(s, wire.send_payload(s, memoryview(data)))
+    assert wire.recv_header(s)["ok"] is True
+    s.close()
+    stored = replica_dir(StoreLayout(peer_root, JOB), "node0", "step-1") / shard_name(0, 0)
+    stored.unlink()
+    s = send_raw(server, h)  # the captured request, sent again
+    assert "replays" in refused(s, "auth")["error"]
+    assert files_under(peer_root) == []
+
+
+def test_stale_timestamp_refused(server, secret, monkeypatch, peer_root):
+    from dcp_memstore.replication import auth
+
+    monkeypatch.setattr(auth, "_now_ms", lambda: time.time_ns() // 1_000_000 - 600_000)
+    s = send_raw(server, put_header(secret, 10))
+    assert "off this node's clock" in refused(s, "auth")["error"]
+    assert files_under(peer_root) == []
+
+
+BAD_NAMES = ["..", "../x", "a/b", "/etc/passwd", "", "x" * 129, ".hidden", "a\\b", "a b", "é", "a..b"]
+
+
+@pytest.mark.parametrize("field", ["source", "checkpoint", "file"])
+@pytest.mark.parametrize("name", BAD_NAMES)
+def test_path_tricks_refused_by_server(server, secret, shm_dir, field, name):
+    before = files_under(shm_dir)
+    s = send_raw(server, put_header(secret, 10, **{field: name}))
+    refused(s, "bad_request")
+    assert files_under(shm_dir) == before
+    assert not (shm_dir / "peer" / JOB / "replicas").exists()
+
+
+@pytest.mark.parametrize("name", ["..", "../../etc/passwd", "/etc/passwd", ""])
+def test_path_tricks_refused_on_get_and_stat(server, secret, name):
+    for field in ("checkpoint", "file", "source"):
+        fields = {"checkpoint": "step-1", "file": "f", "source": "node0", "offset": 0, "length": None}
+        refused(send_raw(server, signed(secret, "get", **{**fields, field: name})), "bad_request")
+    refused(send_raw(server, signed(secret, "stat", checkpoint=name)), "bad_request")
+
+
+def test_path_tricks_refused_by_client_before_sending(transport, server, local):
+    src = make_file(local, "step-1", "f", b"x")
+    for bad in ("..", "a/b", "/abs"):
+        with pytest.raises(ValueError):
+            transport.put_file(server.address, bad, "step-1", "f", src)
+        with pytest.raises(ValueError):
+            transport.put_file(server.address, "node0", bad, "f", src)
+        with pytest.raises(ValueError):
+            transport.get_file(server.address, "step-1", bad, local.job_dir / "x")
+
+
+def test_symlink_in_checkpoint_dir_not_followed(server, transport, peer_root, local):
+    peer = StoreLayout(peer_root, JOB)
+    peer.checkpoint_dir("step-1").mkdir(parents=True)
+    outside = peer_root.parent / "secret.txt"
+    outside.write_bytes(b"not for peers")
+    (peer.checkpoint_dir("step-1") / "link").symlink_to(outside)
+    with pytest.raises(ReplicationError) as e:
+        transport.get_file(server.address, "step-1", "link", local.job_dir / "x")
+    assert e.value.code == "io_error"
+    assert not (local.job_dir / "x").exists()
+
+
+def test_get_missing_file_and_bad_range(server, transport, peer_root, local):
+    make_file(StoreLayout(peer_root, JOB), "step-1", "f", b"0123456789")
+    with pytest.raises(ReplicationError, match="no file nope") as e:
+        transport.get_file(server.address, "step-1", "nope", local.job_dir / "x")
+    assert e.value.code == "not_found"
+    with pytest.raises(ReplicationError) as e:
+        transport.get_file(server.address, "step-1", "f", local.job_dir / "x", source_node="node9")
+    assert e.value.code == "not_found"
+    with pytest.raises(ReplicationError, match="outside") as e:
+        transport.read_range(server.address, "step-1", "f", 8, memoryview(bytearray(3)))
+    assert e.value.code == "bad_request"
+    assert files_under(local.job_dir) == []
+
+
+def test_oversized_header_refused(server):
+    s = raw_connect(server)
+    s.sendall(wire.PREFIX + struct.pack(">I", wire.MAX_HEADER_BYTES + 1))
+    assert "header length" in refused(s, "bad_request")["error"]
+    s = raw_connect(server)  # the whole oversized header sent anyway: still refused, the reply still arrives
+    s.sendall(wire.PREFIX + struct.pack(">I", 100_000) + b"\x80" * 100_000)
+    refused(s, "bad_request")
+
+
+def test_oversized_payload_refused(peer_root, secret, local):
+    with PeerServer(peer_root, JOB, secret, "127.0.0.1", max_file_bytes=MiB) as server:
+        s = send_raw(server, put_header(secret, MiB + 1))
+        assert "max_file_bytes" in refused(s, "too_large")["error"]
+        s = send_raw(server, put_header(secret, 2**64 - 1))
+        refused(s, "too_large")
+        src = make_file(local, "step-1", "big", os.urandom(MiB + 1))
+        with TcpTransport(JOB, secret) as t, pytest.raises(ReplicationError) as e:
+            t.put_file(server.address, "node0", "step-1", "big", src)
+        assert e.value.code == "too_large"
+    assert files_under(peer_root) == []
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"XXXX\x01\x00\x00\x00\x00\x00\x00\x01\x80",
+        b"DCPM\x09\x00\x00\x00\x00\x00\x00\x01\x80",
+    ],
+)
+def test_wrong_magic_or_version_refused(server, raw):
+    s = raw_connect(server)
+    s.sendall(raw)
+    refused(s, "bad_request")
+
+
+def test_malformed_and_unknown_requests_refused(server, secret, peer_root):
+    refused(send_raw(server, signed(secret, "delete", checkpoint="step-1")), "bad_request")
+    refused(
+        send_raw(server, signed(secret, "put", source="n", checkpoint="c", file="f", size=True)),
+        "bad_request",
+    )
+    refused(send_raw(server, {"op": "ping"}), "bad_request")
+    s = raw_connect(server)
+    body = b"\x81\xa2op\xc7\x01\x05x"  # {"op": ExtType(5, b"x")}: never turned into an object
+    s.sendall(wire.PREFIX + struct.pack(">I", len(body)) + body)
+    refused(s, "bad_request")
+    assert files_under(peer_root) == []
+
+
+def test_full_tmpfs_gives_a_clean_error_and_the_server_keeps_serving(small_tmpfs, shm_dir, secret):
+    local = StoreLayout(shm_dir / "local", JOB)
+    six = make_file(local, "step-1", "six", os.urandom(6 * MiB))
+    big = make_file(local, "step-1", "big", os.urandom(16 * MiB))
+    small = make_file(local, "step-1", "small", os.urandom(100_000))
+    with PeerServer(small_tmpfs, JOB, secret, "127.0.0.1") as server, TcpTransport(JOB, secret) as t:
+        with pytest.raises(ReplicationError, match="not enough space") as e:
+            t.put_file(server.address, "node0", "step-1", "big", big)
+        assert e.value.code == "no_space"
+        t.put_file(server.address, "node0", "step-1", "six", six)
+        with pytest.raises(ReplicationError) as e:
+            t.put_file(server.address, "node0", "step-2", "six", six)
+        assert e.value.code == "no_space"
+        t.ping(server.address)
+        t.put_file(server.address, "node0", "step-2", "small", small)
+        assert t.stat(server.address, "step-2")["replicas"] == {"node0": {"small": 100_000}}
+        # And a full destination on the fetching side: an error before any byte lands, nothing left.
+        with pytest.raises(InsufficientSpaceError):
+            t.get_file(server.address, "step-1", "six", small_tmpfs / "fetched", source_node="node0")
+        assert sorted(files_under(small_tmpfs)) == [
+            f"{JOB}/replicas/node0/step-1/six",
+            f"{JOB}/replicas/node0/step-2/small",
+        ]
+
+
+# --- errors that name the peer, lifecycle -------------------------------------------------------------
+
+
+def test_unreachable_peer_is_a_connection_error(transport, server):
+    addr = server.address
+    server.close()
+    with pytest.raises(ConnectionError, match=f"127.0.0.1:{addr[1]}"):
+        transport.stat(addr, "step-1")
+
+
+def test_silent_peer_is_a_timeout(secret):
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (backlog) and never answers
+    try:
+        with (
+            TcpTransport(JOB, secret, timeout_s=0.3) as t,
+            pytest.raises(TimeoutError, match="silent for 0.3 s"),
+        ):
+            t.stat(silent.getsockname(), "step-1")
+    finally:
+        silent.close()
+
+
+def test_unsigned_ok_reply_is_not_trusted(secret):
+    """A fake server (without the secret) cannot make a client believe its file was stored."""
+    fake = socket.create_server(("127.0.0.1", 0))
+
+    def answer() -> None:
+        conn, _ = fake.accept()
+        wire.recv_header(conn)
+        wire.send_header(conn, {"ok": True, "re": b"x" * 16, "mac": b"y" * 32})
+        conn.recv(1)
+        conn.close()
+
+    t = threading.Thread(target=answer)
+    t.start()
+    try:
+        with TcpTransport(JOB, secret) as tr, pytest.raises(ReplicationError) as e:
+            tr.ping(fake.getsockname())
+        assert e.value.code == "auth"
+    finally:
+        t.join(5)
+        fake.close()
+
+
+def test_connection_limit(peer_root, secret):
+    with PeerServer(peer_root, JOB, secret, "127.0.0.1", max_connections=1) as server:
+        held = raw_connect(server)
+        time.sleep(0.1)  # let the server take it
+        s = raw_connect(server)
+        reply = wire.recv_header(s)
+        assert reply["code"] == "busy"
+        s.close()
+        held.close()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                with TcpTransport(JOB, secret) as t:
+                    t.ping(server.address)
+                break
+            except (ReplicationError, ConnectionError):
+                time.sleep(0.05)
+        else:
+            pytest.fail("the server did not free the connection slot")
+
+
+def test_close_ends_transfers_in_flight_and_leaves_nothing(peer_root, secret):
+    server = PeerServer(peer_root, JOB, secret, "127.0.0.1")
+    s = send_raw(server, put_header(secret, 4 * MiB))
+    assert wire.recv_header(s)["ok"] is True
+    s.sendall(b"x" * MiB)  # and then stalls
+    time.sleep(0.1)
+    start = time.monotonic()
+    server.close()
+    assert time.monotonic() - start < 5
+    assert files_under(peer_root) == []
+    assert all(t.name != "dcp_memstore-peer-conn" for t in threading.enumerate())
+    s.close()
+
+
+def test_stale_temporaries_of_dead_processes_removed_at_start(peer_root, secret):
+    d = replica_dir(StoreLayout(peer_root, JOB), "node0", "step-1")
+    d.mkdir(parents=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    (d / f".f.part-{int(dead.stdout)}-0123abcd").write_bytes(b"x")
+    (d / f".g.part-{os.getpid()}-0123abcd").write_bytes(b"x")  # a live transfer of this process
+    (d / "kept").write_bytes(b"x")
+    with PeerServer(peer_root, JOB, secret, "127.0.0.1"):
+        assert sorted(os.listdir(d)) == [f".g.part-{os.getpid()}-0123abcd", "kept"]
+
+
+def test_bind_address_and_layout_argument(peer_root, secret):
+    with PeerServer(StoreLayout(peer_root, JOB), JOB, secret, "localhost") as server:
+        assert server.address[0] in ("127.0.0.1", "::1")
+        assert server.address[1] > 0
+    with pytest.raises(ValueError, match="job"):
+        PeerServer(StoreLayout(peer_root, "other"), JOB, secret, "127.0.0.1")
+    with pytest.raises(OSError, match="cannot resolve"):
+        PeerServer(peer_root, JOB, secret, "no-such-host.invalid")
