@@ -34,9 +34,8 @@ from dcp_memstore.replication.transport import (
     IncomingFile,
     OutgoingFile,
     remove_stale_parts,
-    validate_file_name,
 )
-from dcp_memstore.store.ids import validate_name
+from dcp_memstore.store.ids import validate_file_name, validate_name
 from dcp_memstore.store.layout import COMMITTED, StoreLayout
 
 log = logging.getLogger(__name__)
@@ -46,16 +45,6 @@ DEFAULT_MAX_CONNECTIONS = 64
 DEFAULT_IO_TIMEOUT_S = 60.0
 _DRAIN_BYTES = 1 << 20  # read at most this much of a refused request's leftovers, so the reply is not lost
 _DRAIN_S = 1.0
-
-
-def replicas_dir(layout: StoreLayout) -> Path:
-    """Where a node keeps the replicas of other nodes' checkpoints."""
-    return layout.job_dir / "replicas"
-
-
-def replica_dir(layout: StoreLayout, source_node: str, checkpoint: str) -> Path:
-    """Where a node keeps its replica of checkpoint ``checkpoint`` of node ``source_node``."""
-    return replicas_dir(layout) / source_node / checkpoint
 
 
 class _Refusal(Exception):
@@ -135,7 +124,7 @@ class PeerServer:
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._closing = False
-        removed = remove_stale_parts(replicas_dir(self.layout))
+        removed = remove_stale_parts(self.layout.replicas_dir)
         if removed:
             log.info("removed %d partial replica files left by crashed transfers", removed)
         self._listener = _listen(bind_host, port)
@@ -273,7 +262,7 @@ class PeerServer:
         own_dir = self.layout.checkpoint_dir(checkpoint)
         replicas = {}
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-            for e in os.scandir(replicas_dir(self.layout)):
+            for e in os.scandir(self.layout.replicas_dir):
                 with contextlib.suppress(ValueError):
                     validate_name(e.name, "source node")
                     files = _list_files(Path(e.path) / checkpoint)
@@ -293,7 +282,7 @@ class PeerServer:
                 f"file {file} of {size} bytes exceeds this server's limit of {self.max_file_bytes} bytes "
                 f"(PeerServer max_file_bytes)",
             )
-        dest = replica_dir(self.layout, source, checkpoint)
+        dest = self.layout.replica_dir(source, checkpoint)
         try:
             dest.mkdir(parents=True, exist_ok=True)
             incoming = IncomingFile(dest / file, size)
@@ -328,7 +317,7 @@ class PeerServer:
             path, what = self.layout.checkpoint_dir(checkpoint) / file, "this node's copy"
         else:
             source = _name(source, "source node")
-            path, what = replica_dir(self.layout, source, checkpoint) / file, f"the replica of node {source}"
+            path, what = self.layout.replica_dir(source, checkpoint) / file, f"the replica of node {source}"
         try:
             source_file = OutgoingFile(path, header["offset"], header["length"])
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):

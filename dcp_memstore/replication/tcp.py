@@ -28,9 +28,8 @@ from dcp_memstore.replication.transport import (
     ReplicationError,
     Transport,
     format_peer,
-    validate_file_name,
 )
-from dcp_memstore.store.ids import validate_name
+from dcp_memstore.store.ids import validate_file_name, validate_name
 
 DEFAULT_TIMEOUT_S = 60.0
 

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from dcp_memstore.store.checksum import memory_view
-from dcp_memstore.store.ids import MAX_ID_LENGTH, validate_name
 from dcp_memstore.store.mapping import MAPPINGS, MappedFile
 from dcp_memstore.store.space import allocate_file, check_space
 
@@ -42,26 +41,6 @@ _libc.mmap.argtypes = [
 ]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _PART_RE = re.compile(r"\..+\.part-(\d+)-[0-9a-f]{8}")
-_FILE_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
-
-
-def validate_file_name(value: object) -> str:
-    """``value`` if it is a valid name of a file in a checkpoint directory, else ValueError saying why.
-
-    The rules of ``validate_name``, except that a file name may also start with '_' (shard files are named
-    ``__<rank>_<n>.shard``). Never a path, never '..', never hidden (names starting with '.' are reserved
-    for temporary files)."""
-    try:
-        return validate_name(value, "file name")
-    except ValueError:
-        if (
-            isinstance(value, str)
-            and len(value) <= MAX_ID_LENGTH
-            and ".." not in value
-            and _FILE_RE.fullmatch(value)
-        ):
-            return value
-        raise
 
 
 def format_peer(peer: PeerAddress) -> str:

@@ -1,4 +1,4 @@
-"""Validation of checkpoint ids and job ids: short names inside the store, never paths."""
+"""Validation of checkpoint ids, job ids and file names: short names inside the store, never paths."""
 
 from __future__ import annotations
 
@@ -32,3 +32,25 @@ def validate_name(value: object, what: str = "checkpoint id") -> str:
     else:
         return value
     raise ValueError(f"invalid {what} {value!r}: {reason}. Use {_RULE}, e.g. 'step-100'.")
+
+
+_FILE_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+
+
+def validate_file_name(value: object) -> str:
+    """``value`` if it is a valid name of a file in a checkpoint directory, else ValueError saying why.
+
+    The rules of ``validate_name``, except that a file name may also start with '_' (shard files are named
+    ``__<rank>_<n>.shard``). Never a path, never '..', never hidden (names starting with '.' are reserved
+    for temporary files)."""
+    try:
+        return validate_name(value, "file name")
+    except ValueError:
+        if (
+            isinstance(value, str)
+            and len(value) <= MAX_ID_LENGTH
+            and ".." not in value
+            and _FILE_RE.fullmatch(value)
+        ):
+            return value
+        raise

@@ -5,6 +5,7 @@
     <root>/<job_id>/staging/<slot>/                async-save staging areas (become checkpoint files)
     <root>/<job_id>/pool/rank<r>/                  shard files of evicted checkpoints, reused by rank r
     <root>/<job_id>/trash/                         checkpoints being evicted or cleared
+    <root>/<job_id>/replicas/<node>/<checkpoint_id>/   replicas of other nodes' shard files
 
 A checkpoint directory is visible to readers only once its COMMITTED marker exists.
 """
@@ -94,6 +95,15 @@ class StoreLayout:
 
     def checkpoint_dir(self, checkpoint_id: str) -> Path:
         return self.checkpoints_dir / checkpoint_id
+
+    @property
+    def replicas_dir(self) -> Path:
+        """Where a node keeps the replicas of other nodes' checkpoints."""
+        return self.job_dir / "replicas"
+
+    def replica_dir(self, source_node: str, checkpoint_id: str) -> Path:
+        """This node's replica of checkpoint ``checkpoint_id`` of node ``source_node``."""
+        return self.replicas_dir / source_node / checkpoint_id
 
     def pool_dir(self, rank: int) -> Path:
         return self.job_dir / "pool" / f"rank{rank}"

@@ -18,7 +18,6 @@ import pytest
 from dcp_memstore.errors import InsufficientSpaceError
 from dcp_memstore.replication import PeerServer, ReplicationError, TcpTransport, wire
 from dcp_memstore.replication.auth import new_secret, sign_request
-from dcp_memstore.replication.server import replica_dir
 from dcp_memstore.store.layout import COMMITTED, StoreLayout, shard_name
 
 JOB = "job"
@@ -110,7 +109,7 @@ def test_put_then_get_multi_mib_bit_exact(server, transport, local, peer_root):
     src = make_file(local, "step-1", shard_name(0, 0), data)
     transport.put_file(server.address, "node0", "step-1", shard_name(0, 0), src)
 
-    stored = replica_dir(StoreLayout(peer_root, JOB), "node0", "step-1") / shard_name(0, 0)
+    stored = StoreLayout(peer_root, JOB).replica_dir("node0", "step-1") / shard_name(0, 0)
     assert stored.read_bytes() == data
     assert files_under(peer_root) == [f"{JOB}/replicas/node0/step-1/{shard_name(0, 0)}"]  # no temporaries
 
@@ -134,7 +133,7 @@ def test_get_from_own_checkpoint_dir_and_empty_file(server, transport, peer_root
     assert (local.job_dir / "b").read_bytes() == b""
     empty = make_file(local, "step-7", "e", b"")
     transport.put_file(server.address, "node0", "step-7", "e", empty)
-    assert (replica_dir(peer, "node0", "step-7") / "e").read_bytes() == b""
+    assert (peer.replica_dir("node0", "step-7") / "e").read_bytes() == b""
 
 
 def test_put_replaces_an_older_replica_file(server, transport, local, peer_root):
@@ -142,7 +141,7 @@ def test_put_replaces_an_older_replica_file(server, transport, local, peer_root)
     transport.put_file(server.address, "node0", "s", "f", src)
     src.write_bytes(b"new!" * 999)
     transport.put_file(server.address, "node0", "s", "f", src)
-    assert (replica_dir(StoreLayout(peer_root, JOB), "node0", "s") / "f").read_bytes() == b"new!" * 999
+    assert (StoreLayout(peer_root, JOB).replica_dir("node0", "s") / "f").read_bytes() == b"new!" * 999
 
 
 def test_stat_lists_own_and_replica_files(server, transport, local, peer_root):
@@ -191,7 +190,7 @@ def test_concurrent_puts_from_several_threads(server, secret, local, peer_root):
     peer = StoreLayout(peer_root, JOB)
     for node in ("node0", "node1"):
         for name, data in files.items():
-            assert (replica_dir(peer, node, "step-1") / name).read_bytes() == data
+            assert (peer.replica_dir(node, "step-1") / name).read_bytes() == data
     assert len(files_under(peer_root)) == 16  # no temporaries left
 
 
@@ -269,7 +268,7 @@ def test_replayed_request_refused(server, secret, peer_root):
     wire.send_trailer(s, wire.send_payload(s, memoryview(data)))
     assert wire.recv_header(s)["ok"] is True
     s.close()
-    stored = replica_dir(StoreLayout(peer_root, JOB), "node0", "step-1") / shard_name(0, 0)
+    stored = StoreLayout(peer_root, JOB).replica_dir("node0", "step-1") / shard_name(0, 0)
     stored.unlink()
     s = send_raw(server, h)  # the captured request, sent again
     assert "replays" in refused(s, "auth")["error"]
@@ -498,7 +497,7 @@ def test_close_ends_transfers_in_flight_and_leaves_nothing(peer_root, secret):
 
 
 def test_stale_temporaries_of_dead_processes_removed_at_start(peer_root, secret):
-    d = replica_dir(StoreLayout(peer_root, JOB), "node0", "step-1")
+    d = StoreLayout(peer_root, JOB).replica_dir("node0", "step-1")
     d.mkdir(parents=True)
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
