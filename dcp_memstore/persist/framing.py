@@ -18,18 +18,15 @@ import torch
 _HEADER_MAX = 4096  # writes up to this size are kept to find the zip headers; the payload passes through
 WRITE_PIECE = 4 << 20  # big writes go to the sink in pieces, so a buffered sink flushes parts as it fills
 _LOCAL_HEADER = b"PK\x03\x04"
-_crc_lock = threading.Lock()
-_crc_off = False
+_crc = threading.local()
 
 
 def disable_torch_save_crc32() -> None:
-    """Turn off torch.save's CRC32 for this process (about 2 GB/s of CPU otherwise). The setting is global
-    to the process; torch.load reads archives either way."""
-    global _crc_off
-    with _crc_lock:
-        if not _crc_off:
-            torch.serialization.set_crc32_options(False)
-            _crc_off = True
+    """Turn off torch.save's CRC32 (about 2 GB/s of CPU otherwise) in this thread: torch keeps the
+    setting per thread. torch.load reads archives either way."""
+    if not getattr(_crc, "off", False):
+        torch.serialization.set_crc32_options(False)
+        _crc.off = True
 
 
 class _Tap(io.RawIOBase):
@@ -81,6 +78,7 @@ def write_framed(sink, data: memoryview, dtype: torch.dtype, shape: tuple[int, .
         tensor = torch.frombuffer(data, dtype=dtype).view(shape)
     else:
         tensor = torch.empty(shape, dtype=dtype)
+    disable_torch_save_crc32()
     tap = _Tap(sink)
     torch.save(tensor, tap)
     return tap.pos, tap.payload_offset()

@@ -27,7 +27,6 @@ import time
 import torch.distributed as dist
 
 from dcp_memstore.persist.export import upload_file
-from dcp_memstore.persist.framing import disable_torch_save_crc32
 from dcp_memstore.persist.progress import Progress
 from dcp_memstore.persist.publish import commit_marker, publish, read_parts, remote_commit, write_part
 from dcp_memstore.persist.target import PersistTarget
@@ -121,7 +120,6 @@ class Persister:
         self._wake.set()
 
     def _run(self) -> None:
-        disable_torch_save_crc32()
         _yield_cpu_to_training()
         while not self._stop.is_set():
             for rec in catalog.committed(self.layout):
@@ -257,8 +255,8 @@ def _yield_cpu_to_training() -> None:
         return
     _niced.done = True
     with contextlib.suppress(OSError, AttributeError):
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE))
+        tid = threading.get_native_id()  # threads it starts inherit the value: set it, do not add to it
+        os.setpriority(os.PRIO_PROCESS, tid, max(BACKGROUND_NICE, os.getpriority(os.PRIO_PROCESS, tid)))
 
 
 def _permanent(e: BaseException) -> bool:
