@@ -642,6 +642,7 @@ def train_run(
         run.cpu_upload_s = thread_cpu(UPLOAD_THREADS) - u0
         run.cpu_proc_s = cpu_self() - c0
         if on:
+            saved = [c for i, c in enumerate(saved, 1) if i % args.persist_every == 0]  # the owed ones
             run.persisted_in_loop = sum(is_persisted(store, c) for c in saved)
             run.owed_at_end = len(saved) - run.persisted_in_loop
             t0 = time.perf_counter()
