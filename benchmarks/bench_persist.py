@@ -55,7 +55,6 @@ import contextlib
 import gc
 import json
 import os
-import platform
 import resource
 import secrets
 import shutil
@@ -78,6 +77,7 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
+from benchmarks.bench_core import machine as core_machine  # noqa: E402
 from dcp_memstore import MemoryStorageWriter, MemStore  # noqa: E402
 from tests.s3_server import SeaweedS3  # noqa: E402
 
@@ -176,21 +176,7 @@ def parallel(fn: Callable[[Any], Any], items: list[Any], threads: int) -> None:
 
 
 def machine() -> dict[str, Any]:
-    cpu = ""
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    mem = 0
-    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
-        mem = next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemTotal")), 0)
-    return {
-        "cpus": os.cpu_count(),
-        "cpu_model": cpu,
-        "ram_gib": round(mem / (1 << 30), 1),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-    }
+    return {**core_machine(), "torch_threads": torch.get_num_threads()}
 
 
 RACES: list[str] = []  # status/wait_persisted calls that failed while a checkpoint was being evicted
