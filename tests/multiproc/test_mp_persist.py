@@ -74,3 +74,23 @@ def test_two_ranks_persist_to_s3_and_restore_with_empty_tmpfs(mp: MultiProc, s3_
         ] * 2
     finally:
         fresh.close()
+
+
+def save_without_persisting(rank: int, world: int, root: str, url: str, opts: dict) -> None:
+    store = MemStore(root, "job", io_threads=2, persist_to=url, storage_options=opts, persist_on_close=False)
+    dcp.save(state(7, rank), checkpoint_id="step-7", storage_writer=MemoryStorageWriter(store))
+    store.close()
+
+
+def test_one_process_persists_what_two_ranks_saved(mp: MultiProc, s3_bucket) -> None:
+    """A restart with fewer processes: local rank 0 of 1 takes every rank's files."""
+    server, url = s3_bucket
+    opts = server.storage_options()
+    mp.run(save_without_persisting, 2, str(mp.root), url, opts)
+    with MemStore(mp.root, "job", persist_to=url, storage_options=opts, persist_on_close=False) as store:
+        store.persist("step-7")
+        st = store.wait_persisted("step-7", timeout=180)
+        assert st.files_uploaded == st.files_total >= 4  # both ranks' shard files (2 each) and more
+    target = {**blank_like(state(7, 0)), **blank_like(state(7, 1))}
+    dcp.load(target, storage_reader=FsspecReader(f"{url}/step-7", **opts), no_dist=True)
+    assert_bit_equal(target, {**state(7, 0), **state(7, 1)}, "stock load of the 2-rank checkpoint")
