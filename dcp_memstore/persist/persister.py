@@ -112,6 +112,7 @@ class Persister:
         self._retry_at: dict[str, tuple[float, float]] = {}  # checkpoint -> (next attempt, current backoff)
         self._check_at: dict[str, float] = {}  # checkpoint -> next look at the remote side
         self._checked: set[tuple] = set()  # saves whose id was checked against the remote side
+        self._manifests: dict[tuple, Manifest] = {}  # manifests of saves being uploaded
         self._thread = threading.Thread(target=self._run, name="dcp_memstore_persist", daemon=True)
         self._thread.start()
 
@@ -171,7 +172,9 @@ class Persister:
             if progress.persisted():
                 return
         local_dir = self.layout.checkpoint_dir(cid)
-        manifest = Manifest.read(local_dir / MANIFEST)
+        manifest = self._manifests.get(save)
+        if manifest is None:  # read once per save, not at every poll while other processes upload
+            manifest = self._manifests[save] = Manifest.read(local_dir / MANIFEST)
         by_file: dict[str, list] = {}
         for i, it in enumerate(manifest.items):
             by_file.setdefault(it.location.file, []).append((i, it))
@@ -214,6 +217,7 @@ class Persister:
             progress.mark_persisted()
         progress.report(rank, "persisted")
         self._check_at.pop(cid, None)
+        self._manifests.pop(save, None)
         catalog.evict(self.layout, self.keep)  # it may have been held past its turn
 
     def _upload(
