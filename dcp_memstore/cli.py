@@ -33,16 +33,22 @@ def _list(args: argparse.Namespace) -> int:
     print(f"store {store.layout.job_dir}: {len(recs)} committed checkpoint(s)")
     for r in recs:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.committed_at))
-        print(f"  {r.checkpoint_id:<32} seq {r.seq:<6} {r.nbytes / 2**20:10.1f} MiB  {when}")
+        held = catalog.holds(store.layout, r.checkpoint_id)
+        note = f"  held for: {', '.join(held)}" if held else ""
+        print(f"  {r.checkpoint_id:<32} seq {r.seq:<6} {r.nbytes / 2**20:10.1f} MiB  {when}{note}")
     return 0
 
 
 def _show(args: argparse.Namespace) -> int:
-    d = _store(args).require_checkpoint(args.checkpoint_id)
+    store = _store(args)
+    d = store.require_checkpoint(args.checkpoint_id)
     m = Manifest.read(d / MANIFEST)
     print(
         f"checkpoint {m.checkpoint_id}: {len(m.items)} items, {m.nbytes} bytes, written by {m.world_size} rank(s)"
     )
+    held = catalog.holds(store.layout, m.checkpoint_id)
+    if held:  # e.g. "persist": owed to persistent storage, not evicted until uploaded
+        print(f"  held in memory for: {', '.join(held)}")
     for name, size in sorted(m.files.items()):
         print(f"  {name:<24} {size:>14} bytes")
     if args.items:
