@@ -28,9 +28,10 @@ import torch.distributed as dist
 
 from dcp_memstore.persist.export import upload_file
 from dcp_memstore.persist.progress import Progress
-from dcp_memstore.persist.publish import commit_marker, publish, read_parts, remote_commit, write_part
+from dcp_memstore.persist.publish import publish, read_parts, remote_commit, write_part
 from dcp_memstore.persist.target import PersistTarget
 from dcp_memstore.store import catalog
+from dcp_memstore.store.collective import dist_active
 from dcp_memstore.store.faults import crash_point
 from dcp_memstore.store.layout import MANIFEST, StoreLayout, file_rank
 from dcp_memstore.store.manifest import Manifest
@@ -60,21 +61,20 @@ def local_rank_and_size() -> tuple[int, int]:
     LOCAL_WORLD_SIZE; else the process group, taken as one node; else 0 of 1)."""
     if "LOCAL_RANK" in os.environ and "LOCAL_WORLD_SIZE" in os.environ:
         return int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
-    if dist.is_available() and dist.is_initialized():
+    if dist_active():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
 
 def global_rank() -> int:
-    return (
-        dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", 0))
-    )
+    """This process's rank (the process group's, else torchrun's RANK, else 0): labels its reports."""
+    return dist.get_rank() if dist_active() else int(os.environ.get("RANK", 0))
 
 
 class Persister:
     """Uploads the checkpoints of ``layout`` that are owed to ``target`` (see module docstring)."""
 
-    _registry: dict[tuple[str, str], Persister] = {}
+    _registry: dict[tuple[int, str, str], Persister] = {}  # (pid, job directory, target URL)
     _registry_lock = threading.Lock()
 
     @classmethod
@@ -244,7 +244,7 @@ class Persister:
         remote = remote_commit(self.target, rec.checkpoint_id)
         if remote is None:
             return
-        if commit_marker(remote) != commit_marker(rec):
+        if remote != rec:
             raise ValueError(
                 f"{self.target.url_of(rec.checkpoint_id)} already holds another checkpoint saved under the id "
                 f"{rec.checkpoint_id!r}; delete it there, or save under a new id"

@@ -62,12 +62,12 @@ class Progress:
             return set()
 
     def mark_done(self, file: str) -> None:
-        self.dir.mkdir(exist_ok=True)
+        self.prepare()
         (self.dir / "done").mkdir(exist_ok=True)
         write_record(self.dir / "done" / file, {"at": time.time()})
 
     def report(self, rank: int, state: str, error: str | None = None) -> None:
-        self.dir.mkdir(exist_ok=True)  # not parents: never re-create a deleted checkpoint's directory
+        self.prepare()
         write_record(
             self.dir / f"state-{rank}",
             {"rank": rank, "pid": os.getpid(), "state": state, "error": error, "at": time.time()},
@@ -107,7 +107,7 @@ class Progress:
 
     def mark_persisted(self) -> None:
         """Published: record it and drop the retention hold."""
-        self.dir.mkdir(exist_ok=True)
+        self.prepare()
         write_record(self.dir / "PERSISTED", {"at": time.time()})
         catalog.release(self.layout, self.checkpoint_id, PERSIST_HOLD)
 

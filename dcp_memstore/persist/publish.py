@@ -23,14 +23,9 @@ from dcp_memstore.store.catalog import CommitRecord
 from dcp_memstore.store.manifest import Manifest, ManifestItem, ShardLocation
 
 
-def commit_marker(commit: CommitRecord) -> dict:
-    """What identifies one save of a checkpoint id (a later save under the same id differs)."""
-    return {"seq": commit.seq, "committed_at": commit.committed_at, "nbytes": commit.nbytes}
-
-
 def write_part(target: PersistTarget, commit: CommitRecord, file: str, placed: list[PersistedItem]) -> None:
     """Record that ``file`` of the save ``commit`` is uploaded and where its items are."""
-    body = msgpack.packb({"commit": commit_marker(commit), "items": [p.to_record() for p in placed]})
+    body = msgpack.packb({"commit": commit.to_record(), "items": [p.to_record() for p in placed]})
     target.put_atomic(target.path(commit.checkpoint_id, PARTS, file), body)
 
 
@@ -51,7 +46,7 @@ def read_parts(target: PersistTarget, commit: CommitRecord) -> dict[str, list[Pe
     out: dict[str, list[PersistedItem]] = {}
     for path, body in fs.cat(paths, on_error="omit").items():
         r = msgpack.unpackb(body)
-        if r.get("commit") == commit_marker(commit):
+        if r.get("commit") == commit.to_record():
             out[path.rsplit("/", 1)[-1]] = [PersistedItem.from_record(x) for x in r["items"]]
     return out
 
@@ -88,15 +83,16 @@ def publish(
     target.put_atomic(target.path(cid, MANIFEST), msgpack.packb(remote.to_record()))
     target.put_atomic(target.path(cid, STOCK_METADATA), pickle.dumps(decode_metadata(manifest.dcp, storage)))
     before_marker()
-    target.put_atomic(target.path(cid, COMMITTED), msgpack.packb(commit_marker(commit)))
+    target.put_atomic(target.path(cid, COMMITTED), msgpack.packb(commit.to_record()))
 
 
 def remote_commit(target: PersistTarget, checkpoint_id: str) -> CommitRecord | None:
     """The commit record of persisted checkpoint ``checkpoint_id``, or None if it is not (fully) persisted."""
     try:
-        return _commit_record(checkpoint_id, target.fs.cat_file(target.path(checkpoint_id, COMMITTED)))
+        body = target.fs.cat_file(target.path(checkpoint_id, COMMITTED))
     except FileNotFoundError:
         return None
+    return CommitRecord.from_record(checkpoint_id, msgpack.unpackb(body))
 
 
 def remote_committed(target: PersistTarget) -> list[CommitRecord]:
@@ -111,13 +107,10 @@ def remote_committed(target: PersistTarget) -> list[CommitRecord]:
         return []
     out = []
     for path, body in fs.cat(markers, on_error="omit").items():
-        out.append(_commit_record(path[len(target.root) + 1 :].split("/", 1)[0], body))
+        out.append(
+            CommitRecord.from_record(path[len(target.root) + 1 :].split("/", 1)[0], msgpack.unpackb(body))
+        )
     return sorted(out, key=lambda r: (r.committed_at, r.seq))
-
-
-def _commit_record(checkpoint_id: str, body: bytes) -> CommitRecord:
-    r = msgpack.unpackb(body)
-    return CommitRecord(checkpoint_id, int(r["seq"]), float(r["committed_at"]), int(r["nbytes"]))
 
 
 def read_remote_manifest(target: PersistTarget, checkpoint_id: str) -> Manifest:

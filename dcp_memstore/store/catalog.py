@@ -34,6 +34,14 @@ class CommitRecord:
     committed_at: float
     nbytes: int
 
+    def to_record(self) -> dict:
+        """The marker's content; it identifies one save (a later save under the same id differs)."""
+        return {"seq": self.seq, "committed_at": self.committed_at, "nbytes": self.nbytes}
+
+    @classmethod
+    def from_record(cls, checkpoint_id: str, r: dict) -> CommitRecord:
+        return cls(checkpoint_id, int(r["seq"]), float(r["committed_at"]), int(r["nbytes"]))
+
 
 def _owner() -> dict:
     p = psutil.Process()
@@ -84,15 +92,16 @@ def commit(layout: StoreLayout, checkpoint_id: str, nbytes: int, seq: int | None
     d = layout.checkpoint_dir(checkpoint_id)
     seq = next_seq(layout) if seq is None else seq
     rec = CommitRecord(checkpoint_id, seq, time.time(), nbytes)
-    write_record(d / COMMITTED, {"seq": rec.seq, "committed_at": rec.committed_at, "nbytes": nbytes})
+    write_record(d / COMMITTED, rec.to_record())
     (d / INPROGRESS).unlink(missing_ok=True)
     return rec
 
 
 def read_commit(layout: StoreLayout, checkpoint_id: str) -> CommitRecord | None:
     try:
-        r = read_record(layout.checkpoint_dir(checkpoint_id) / COMMITTED)
-        return CommitRecord(checkpoint_id, int(r["seq"]), float(r["committed_at"]), int(r["nbytes"]))
+        return CommitRecord.from_record(
+            checkpoint_id, read_record(layout.checkpoint_dir(checkpoint_id) / COMMITTED)
+        )
     except (FileNotFoundError, NotADirectoryError):
         return None
 

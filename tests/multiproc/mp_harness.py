@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from tests.dcp.dcp_state import bits
+
 JOB_TIMEOUT_S = 180.0  # a whole job (torch import included) on a busy 2-core machine
 PG_TIMEOUT_S = 120.0  # gloo collectives: a rank stuck on a dead peer errors out instead of hanging forever
 JOB_ID = "job"
@@ -262,11 +264,6 @@ def make_tensor(seed: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.
             flat[i] = v
         return t
     return torch.randint(-(2**31), 2**31, shape, generator=g, dtype=torch.int64).to(dtype)
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as a flat uint8 tensor (NaN payloads and the sign of zero included)."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def assert_bit_equal(actual: Any, expected: Any, what: str) -> None:
