@@ -2,8 +2,9 @@
 
 ``MemoryStorageWriter`` writes each rank's shards to a node-local tmpfs (through the pinned tmpfs mapping
 for GPU tensors), ``MemoryStorageReader`` reads them back zero-copy, and ``MemStore`` owns the store:
-layout, commit protocol, retention, the newest-checkpoint query, and the background persister that
-flushes chosen checkpoints to object or file storage in the standard DCP layout.
+layout, commit protocol, retention, the newest-checkpoint query, the replication of each node's files to its peers (jobs
+that span several nodes), and the background persister that flushes chosen checkpoints to object or
+file storage in the standard DCP layout.
 """
 
 from dcp_memstore.dcp.reader import MemoryStorageReader
@@ -11,6 +12,7 @@ from dcp_memstore.dcp.writer import MemoryStorageWriter
 from dcp_memstore.errors import (
     CheckpointExistsError,
     ChecksumMismatchError,
+    CommitError,
     InsufficientSpaceError,
     PersistError,
     StagingTimeoutError,
@@ -26,6 +28,7 @@ __all__ = [
     "MemoryStorageReader",
     "ChecksumMismatchError",
     "CheckpointExistsError",
+    "CommitError",
     "InsufficientSpaceError",
     "PersistError",
     "CheckpointStatus",

@@ -46,3 +46,8 @@ class StagingTimeoutError(TimeoutError):
 
 class PersistError(RuntimeError):
     """A checkpoint could not be uploaded to persistent storage (bad credentials, missing bucket, ...)."""
+
+
+class CommitError(RuntimeError):
+    """The coordinator could not commit a checkpoint on every node; the save failed and the previous
+    checkpoint stays the newest."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -13,12 +15,21 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dcp_memstore.errors import InsufficientSpaceError, PersistError
+from dcp_memstore.errors import CommitError, InsufficientSpaceError, PersistError
 from dcp_memstore.persist.persister import Persister
 from dcp_memstore.persist.progress import PERSIST_HOLD, Progress
 from dcp_memstore.persist.publish import remote_commit, remote_committed
 from dcp_memstore.persist.remote_read import RemoteCheckpoint
 from dcp_memstore.persist.target import PersistTarget
+from dcp_memstore.replication.auth import check_secret
+from dcp_memstore.replication.cluster_read import ClusterCheckpoint
+from dcp_memstore.replication.peers import Peers, default_bind_host
+from dcp_memstore.replication.recovery import inventory, readable, restore, resync
+from dcp_memstore.replication.replicator import ReplicaRecords, node_files
+from dcp_memstore.replication.select import TRANSPORTS
+from dcp_memstore.replication.service import ReplicationService, job_node_info
+from dcp_memstore.replication.tcp import TcpTransport
+from dcp_memstore.replication.transport import format_peer
 from dcp_memstore.status import CheckpointStatus
 from dcp_memstore.store import catalog, space
 from dcp_memstore.store.collective import all_gather_records, dist_active
@@ -27,12 +38,15 @@ from dcp_memstore.store.layout import MANIFEST, StoreLayout
 from dcp_memstore.store.manifest import Manifest
 from dcp_memstore.store.mapping import MAPPINGS
 from dcp_memstore.store.pool import FilePool
+from dcp_memstore.store.records import write_atomic
+from dcp_memstore.store.threads import run_parallel
 
 log = logging.getLogger(__name__)
 
 DEFAULT_ROOT = "/dev/shm/dcp_memstore"
 ENV_ROOT = "DCP_MEMSTORE_ROOT"
 ENV_JOB_ID = "DCP_MEMSTORE_JOB_ID"
+ENV_REPLICAS = "DCP_MEMSTORE_REPLICAS"
 
 
 def resolve_root(root: str | os.PathLike | None) -> Path:
@@ -59,16 +73,24 @@ def _default_io_threads() -> int:
 
 @dataclass
 class CheckpointSource:
-    """Where a checkpoint can be read: this node's tmpfs (``local_dir``) and/or persistent storage
-    (``remote()``, looked up on first use, None if it is not persisted)."""
+    """Where a checkpoint can be read: this node's tmpfs (``local_dir``), the other nodes' memory
+    (``cluster``) and persistent storage (``remote``); the last two looked up on first use, None where
+    the checkpoint is not (or there is no such tier). ``fetch_dir``: where files fetched from other nodes
+    go on this node."""
 
     checkpoint_id: str
     local_dir: Path | None
     _find_remote: Any = field(repr=False, default=None)
+    _find_cluster: Any = field(repr=False, default=None)
+    fetch_dir: Path | None = None
 
     @functools.cached_property
     def remote(self) -> RemoteCheckpoint | None:
         return self._find_remote() if self._find_remote is not None else None
+
+    @functools.cached_property
+    def cluster(self) -> ClusterCheckpoint | None:
+        return self._find_cluster() if self._find_cluster is not None else None
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -98,9 +120,19 @@ class MemStore:
         persist_backlog: what a save does when memory is full of checkpoints still owed to persistent
             storage: ``"error"`` (default: raise InsufficientSpaceError saying so) or ``"wait"`` (wait up to
             ``stage_timeout_s`` for uploads to free memory).
+        replicas: when the job spans several nodes, how many other nodes keep a copy of each node's files
+            (ring by node rank: node i's go to nodes i+1 .. i+k). Default 1 (``$DCP_MEMSTORE_REPLICAS``);
+            0 turns replication off (commits still reach every node). A single node replicates nowhere.
+        replication_bind: the address this rank's peer server listens on. Default:
+            ``$DCP_MEMSTORE_BIND``, else the local address that reaches ``$MASTER_ADDR``.
+        replication_secret: the job's replication secret (>= 16 bytes, the same on every rank). Default:
+            a random one shared through the torch.distributed store.
+        transport: ``"auto"`` (default: RDMA where it works, else TCP, saying why), ``"tcp"`` or ``"rdma"``.
+        replication_timeout_s: how long a peer may stay silent before a transfer to or from it is given up
+            (and retried later). Default 30.
 
     The store object is picklable (DCP's PROCESS executor sends it to its checkpoint process with the
-    writer); the persister thread stays with the original.
+    writer); the persister and replication threads and the peer server stay with the original.
     """
 
     def __init__(
@@ -118,6 +150,11 @@ class MemStore:
         storage_options: dict[str, Any] | None = None,
         persist_on_close: bool = True,
         persist_backlog: str = "error",
+        replicas: int | None = None,
+        replication_bind: str | None = None,
+        replication_secret: bytes | str | None = None,
+        transport: str = "auto",
+        replication_timeout_s: float = 30.0,
     ) -> None:
         self.keep_in_memory = _positive_int("keep_in_memory", keep_in_memory)
         self.max_in_flight = _positive_int("max_in_flight", max_in_flight)
@@ -136,6 +173,25 @@ class MemStore:
         self.target = PersistTarget(persist_to, storage_options) if persist_to is not None else None
         if self.target is None and (persist_every is not None or storage_options is not None):
             raise ValueError("persist_every and storage_options need persist_to (a URL or directory)")
+        if replicas is None:
+            raw = os.environ.get(ENV_REPLICAS, "1")
+            try:
+                replicas = int(raw)
+            except ValueError:
+                raise ValueError(
+                    f"${ENV_REPLICAS}={raw!r} is not an int (replicas per node, 0: off)"
+                ) from None
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+            raise ValueError(f"replicas must be an int >= 0 (0 turns replication off), got {replicas!r}")
+        self.replicas = replicas
+        if not isinstance(transport, str) or transport.lower() not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {transport!r}")
+        self.transport = transport.lower()
+        self._secret = None if replication_secret is None else check_secret(replication_secret)
+        self.replication_bind = replication_bind
+        if not replication_timeout_s > 0:
+            raise ValueError(f"replication_timeout_s must be > 0, got {replication_timeout_s!r}")
+        self.replication_timeout_s = float(replication_timeout_s)
         root = resolve_root(root)
         self.job_id = resolve_job_id(job_id)
         if root.exists() and not root.is_dir():
@@ -159,6 +215,11 @@ class MemStore:
             if self.target is not None
             else None
         )
+        self._service: ReplicationService | None = None
+        self._control_transport: TcpTransport | None = None
+        self._peers: Peers | None = None  # what a copy of this store in DCP's checkpoint process knows
+        self._single_node = False
+        self.replication()
 
     # -- queries ---------------------------------------------------------------------------------------
 
@@ -172,10 +233,13 @@ class MemStore:
         return [r.checkpoint_id for r in catalog.committed(self.layout)]
 
     def latest_checkpoint(self, process_group: dist.ProcessGroup | None = None) -> str | None:
-        """The newest checkpoint that every rank can load (from its tmpfs or from persistent storage), or None.
+        """The newest checkpoint that every rank can load, from its tmpfs, from the other nodes' memory
+        (their copies and the replicas they keep) or from persistent storage; None if there is none.
 
         A collective when torch.distributed is initialized: call it on every rank of ``process_group``.
-        """
+        In a multi-node job it also repairs: a node that lost the chosen checkpoint (an empty tmpfs after
+        a replacement) restores its files from the peers holding them, and replicas lost with a node are
+        sent again."""
         self._check_open()
         mine = {
             r.checkpoint_id: [r.checkpoint_id, r.committed_at, r.seq] for r in catalog.committed(self.layout)
@@ -186,12 +250,59 @@ class MemStore:
                     mine.setdefault(r.checkpoint_id, [r.checkpoint_id, r.committed_at, r.seq])
             except Exception as e:  # noqa: BLE001 - an unreachable store leaves the local tier
                 log.warning("cannot list persisted checkpoints in %s: %s", self.target.url, e)
-        views = (
-            all_gather_records(list(mine.values()), process_group) if dist_active() else [list(mine.values())]
-        )
-        common = set.intersection(*({rec[0] for rec in v} for v in views))
-        newest = [(at, seq, cid) for cid, at, seq in mine.values() if cid in common]
-        return max(newest)[2] if newest else None
+        service = self.replication()
+        node = None if service is None else service.node
+        reports_node = node is not None and node.local_rank == 0
+        view = [
+            list(mine.values()),
+            node.node_rank if node else None,
+            inventory(self.layout) if reports_node else None,
+        ]
+        views = all_gather_records(view, process_group) if dist_active() else [view]
+        inventories = {v[1]: v[2] for v in views if v[2] is not None}
+        in_memory = readable(list(inventories.values()))
+        known = {cid: (at, seq) for cid, (at, seq, _) in in_memory.items()}
+        for v in views:
+            known.update({cid: (at, seq) for cid, at, seq in v[0] if cid not in known})
+        common = set.intersection(*({rec[0] for rec in v[0]} | set(in_memory) for v in views))
+        newest = max(((*known[cid], cid) for cid in common), default=None)
+        if service is not None:
+            if reports_node:
+                self._repair(service, newest[2] if newest else None, in_memory, inventories)
+            dist.barrier(process_group)  # the node's other ranks load only once it is restored
+        return newest[2] if newest else None
+
+    def _repair(
+        self,
+        service: ReplicationService,
+        newest: str | None,
+        in_memory: dict[str, tuple[float, int, int]],
+        inventories: dict[int, dict],
+    ) -> None:
+        """Restore ``newest`` on this node if it is readable from the cluster but not here, and owe again
+        the replicas other nodes lost (see ``recovery``). Failures are logged: reads then fetch per file."""
+        peers = service.peers()
+        if newest is not None and newest in in_memory and catalog.read_commit(self.layout, newest) is None:
+            start = time.perf_counter()
+            try:
+                nbytes = restore(
+                    self.layout, peers, service.control, newest, in_memory[newest], self.io_threads
+                )
+                seconds = time.perf_counter() - start
+                log.info(
+                    "restored checkpoint %r on %s from its peers: %d bytes in %.2f s (%.2f GB/s)",
+                    newest, peers.name, nbytes, seconds, nbytes / max(seconds, 1e-9) / 1e9,
+                )  # fmt: skip
+            except (FileNotFoundError, ConnectionError, TimeoutError, OSError, RuntimeError, ValueError) as e:
+                log.warning(
+                    "cannot restore checkpoint %r on %s from its peers (reads fetch per file): %s",
+                    newest,
+                    peers.name,
+                    e,
+                )
+        if self.replicas:
+            resync(self.layout, peers, inventories)
+        service.wake()
 
     def require_checkpoint(self, checkpoint_id: str) -> Path:
         """The directory of committed checkpoint ``checkpoint_id``; FileNotFoundError naming those that exist."""
@@ -205,12 +316,18 @@ class MemStore:
 
     def open_checkpoint(self, checkpoint_id: str) -> CheckpointSource:
         """Where committed checkpoint ``checkpoint_id`` can be read from; FileNotFoundError naming the
-        checkpoints that exist (in memory and persisted) if it is in neither tier."""
+        checkpoints that exist (in memory and persisted) if it is in no tier."""
         cid = validate_name(checkpoint_id)
+        tiers = {
+            "_find_remote": functools.partial(self._remote, cid),
+            "_find_cluster": functools.partial(self._cluster_copy, cid),
+            "fetch_dir": self.layout.fetched_dir(cid),
+        }
         if catalog.read_commit(self.layout, cid) is not None:
-            return CheckpointSource(
-                cid, self.layout.checkpoint_dir(cid), functools.partial(self._remote, cid)
-            )
+            return CheckpointSource(cid, self.layout.checkpoint_dir(cid), **tiers)
+        cluster = self._cluster_copy(cid)
+        if cluster is not None:
+            return CheckpointSource(cid, None, **{**tiers, "_find_cluster": lambda: cluster})
         remote = self._remote(cid)
         if remote is not None:
             return CheckpointSource(cid, None, lambda: remote)
@@ -221,10 +338,19 @@ class MemStore:
                 persisted = f"; persisted in {self.target.url}: {names or 'none'}"
             except Exception as e:  # noqa: BLE001 - say why the persistent tier was not searched
                 persisted = f"; persistent storage {self.target.url} unreachable: {e}"
+        elsewhere = " or in the memory of the job's other nodes" if self._control() else ""
         raise FileNotFoundError(
-            f"checkpoint {cid!r} not found in store {self.layout.job_dir}; "
+            f"checkpoint {cid!r} not found in store {self.layout.job_dir}{elsewhere}; "
             f"committed checkpoints: {self.list_checkpoints() or 'none'}{persisted}"
         )
+
+    def _cluster_copy(self, cid: str) -> ClusterCheckpoint | None:
+        """``cid`` as the other nodes' memory holds it, or None (single node, or committed nowhere)."""
+        control = self._control()
+        if control is None:
+            return None
+        cluster = ClusterCheckpoint(*control, cid)
+        return cluster if cluster.available else None
 
     def _remote(self, cid: str) -> RemoteCheckpoint | None:
         """The persisted copy of ``cid``, or None (not persisted, no target, or the target unreachable)."""
@@ -240,11 +366,14 @@ class MemStore:
 
     # -- persistence -----------------------------------------------------------------------------------
 
-    def apply_persist_policy(self, checkpoint_id: str, seq: int) -> None:
-        """Called by the coordinator before committing checkpoint number ``seq``: owe it to persistent
-        storage if ``persist_every`` says so (the hold is in place before the checkpoint is visible)."""
+    def prepare_commit(self, checkpoint_id: str, seq: int) -> None:
+        """Called on each node before checkpoint number ``seq`` is committed there: owe it to persistent
+        storage if ``persist_every`` says so, and to the replica nodes (the holds are in place before the
+        checkpoint is visible)."""
         if self.target is not None and self.persist_every is not None and seq % self.persist_every == 0:
             Progress(self.layout, checkpoint_id).request(f"persist_every={self.persist_every}")
+        if self._replicating():
+            ReplicaRecords(self.layout, checkpoint_id).hold()
 
     def persist(self, checkpoint_id: str) -> None:
         """Upload committed checkpoint ``checkpoint_id`` in the background (returns at once; see
@@ -267,7 +396,24 @@ class MemStore:
             self._persister.wake()
 
     def status(self, checkpoint_id: str) -> CheckpointStatus:
-        """Where ``checkpoint_id`` is: in this node's memory, and its upload state (see CheckpointStatus)."""
+        """Where ``checkpoint_id`` is: in this node's memory, its replicas on other nodes, and its upload
+        state (see CheckpointStatus)."""
+        st = self._persist_status(checkpoint_id)
+        if st.in_memory and self._replicating():
+            files = node_files(self.layout, st.checkpoint_id)
+            replicas = ReplicaRecords(self.layout, st.checkpoint_id).peer_states(
+                files, self._peers_now().targets()
+            )
+            ok = all(v == "replicated" for v in replicas.values())
+            st = dataclasses.replace(
+                st, replication="replicated" if ok else "under-replicated", replicas=replicas
+            )
+        return st
+
+    def _peers_now(self) -> Peers:
+        return self._service.peers() if self._service is not None else self._peers
+
+    def _persist_status(self, checkpoint_id: str) -> CheckpointStatus:
         cid = validate_name(checkpoint_id)
         in_memory = catalog.read_commit(self.layout, cid) is not None
         if self.target is None:
@@ -284,7 +430,7 @@ class MemStore:
         try:
             files = len(Manifest.read(self.layout.checkpoint_dir(cid) / MANIFEST).files)
         except FileNotFoundError:  # evicted (after being persisted) or deleted meanwhile
-            return self.status(cid)
+            return self._persist_status(cid)
         counts = {"files_uploaded": min(files, len(progress.done_files())), "files_total": files}
         if progress.persisted():
             return CheckpointStatus(cid, True, "persisted", persisted_url=url, **counts)
@@ -318,6 +464,116 @@ class MemStore:
                 raise TimeoutError(
                     f"checkpoint {st.checkpoint_id!r} not persisted after {timeout} s: {st.persist}"
                     f"{' (' + st.error + ')' if st.error else ''}"
+                )
+            time.sleep(0.05)
+
+    # -- replication ---------------------------------------------------------------------------------
+
+    def replication(self) -> ReplicationService | None:
+        """This process's replication service: started on the first call after ``init_process_group`` in
+        a job that spans several nodes (the constructor, a save or ``latest_checkpoint`` make that call);
+        None on a single node, before the process group exists, and in DCP's checkpoint process."""
+        if self._service is None and not (self._single_node or self._peers is not None or self._closed):
+            node = job_node_info()
+            if node is not None and not node.multi_node:
+                self._single_node = True
+            elif node is not None:
+                self._service = ReplicationService(
+                    self.layout,
+                    node,
+                    k=self.replicas,
+                    bind_host=self.replication_bind or default_bind_host(),
+                    secret=self._secret,
+                    transport=self.transport,
+                    on_commit=self._commit_here,
+                    timeout_s=self.stage_timeout_s,
+                    io_timeout_s=self.replication_timeout_s,
+                )
+        return self._service
+
+    def _control(self) -> tuple[Peers, TcpTransport] | None:
+        """The job's peers and a transport for control requests, in a multi-node job (else None)."""
+        service = self.replication()
+        if service is not None:
+            return service.peers(), service.control
+        if self._peers is None:
+            return None
+        if self._control_transport is None:
+            self._control_transport = TcpTransport(
+                self.job_id, self._peers.secret, self.replication_timeout_s
+            )
+        return self._peers, self._control_transport
+
+    def _replicating(self) -> bool:
+        """Whether this node's checkpoints are replicated (several nodes and ``replicas`` >= 1)."""
+        node = self._service.node if self._service is not None else self._peers.node if self._peers else None
+        return bool(self.replicas) and node is not None and node.multi_node
+
+    def commit_everywhere(self, record: catalog.CommitRecord, manifest: bytes) -> None:
+        """Called by the coordinator before it commits: commit the checkpoint on every other node (its
+        manifest and ``record``), in parallel. Raises CommitError naming the nodes that did not take it."""
+        control = self._control()
+        if control is None:
+            return
+        peers, transport = control
+        others = peers.other_nodes()
+
+        def commit_on(node: int) -> str | None:
+            addr = peers.server(node, 0)
+            try:
+                transport.commit(addr, record.checkpoint_id, record.to_record(), manifest)
+            except (ConnectionError, TimeoutError, OSError, RuntimeError) as e:
+                return f"node {node} ({format_peer(addr)}): {e}"
+            return None
+
+        errors = [e for e in run_parallel(commit_on, others, len(others), pool="commit") if e]
+        if errors:
+            raise CommitError(
+                f"checkpoint {record.checkpoint_id!r} was not committed: {len(errors)} of {len(others)} "
+                f"other node(s) did not take the commit: {'; '.join(errors)}. The previous checkpoint stays "
+                "the newest; save again once every node is reachable"
+            )
+
+    def _commit_here(self, checkpoint_id: str, record: dict, manifest: bytes) -> None:
+        """The peer server's commit handler: the coordinator committed ``checkpoint_id``; commit this node's
+        part of it (the files its ranks wrote) with the coordinator's manifest and record."""
+        cid = validate_name(checkpoint_id)
+        done = catalog.read_commit(self.layout, cid)
+        if done is not None:
+            if (done.seq, done.committed_at) == (record["seq"], record["committed_at"]):
+                return  # the same commit again (a retried request)
+            raise ValueError(f"checkpoint {cid!r} is already committed on this node by another save")
+        directory = catalog.join(self.layout, cid)
+        write_atomic(directory / MANIFEST, manifest)
+        self.prepare_commit(cid, record["seq"])
+        catalog.commit(
+            self.layout, cid, record["nbytes"], seq=record["seq"], committed_at=record["committed_at"]
+        )
+        self.after_commit()
+
+    def after_commit(self) -> None:
+        """Retention after a commit on this node: evict beyond ``keep_in_memory`` (with the replicas and
+        fetched files of evicted checkpoints), trim the pools of reusable files, wake the replicator."""
+        catalog.evict(self.layout, self.keep_in_memory)
+        with contextlib.suppress(FileNotFoundError):
+            for e in os.scandir(self.layout.pools_dir):
+                if e.name.startswith("rank") and e.name[4:].isdigit():
+                    FilePool(self.layout, int(e.name[4:])).trim(keep=self.max_in_flight * self.io_threads)
+        if self._service is not None:
+            self._service.wake()
+
+    def wait_replicated(self, checkpoint_id: str, timeout: float | None = None) -> CheckpointStatus:
+        """Block until this node's files of ``checkpoint_id`` are acknowledged by every replica node.
+        Returns at once when replication is off (one node, or ``replicas=0``). TimeoutError after
+        ``timeout`` seconds, saying which peers lack it and why."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            st = self.status(checkpoint_id)
+            if st.replication in ("off", "replicated"):
+                return st
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"checkpoint {st.checkpoint_id!r} not replicated after {timeout} s: {st.replicas}"
                 )
             time.sleep(0.05)
 
@@ -373,6 +629,11 @@ class MemStore:
             if self._persister is not None:
                 self._drain(timeout)
         finally:
+            if self._service is not None:
+                self._service.close(timeout)
+                self._service = None
+            if self._control_transport is not None:
+                self._control_transport.close()
             if self._persister is not None:
                 self._persister.release(timeout)
                 self._persister = None
@@ -400,6 +661,10 @@ class MemStore:
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_persister"] = None  # the persister thread stays in the process that made the store
+        # so do the replication threads and server; the copy commits and reads with what they learned
+        state["_peers"] = self._service.peers() if self._service is not None else self._peers
+        state["_service"] = None
+        state["_control_transport"] = None
         return state
 
     def _check_open(self) -> None:

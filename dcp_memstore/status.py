@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 PERSIST_STATES = ("off", "not requested", "queued", "uploading", "retrying", "failed", "persisted")
 
@@ -17,6 +17,10 @@ class CheckpointStatus:
     permanent error such as refused credentials or a missing bucket; ``store.persist(id)`` tries again) or
     ``persisted`` (published at ``persisted_url``). ``files_uploaded``/``files_total`` count this node's
     shard files of the checkpoint.
+
+    ``replication``: ``off`` (one node, or ``replicas=0``), ``replicated`` (every replica node has
+    acknowledged this node's files) or ``under-replicated``; ``replicas`` says it per peer node
+    (``node<i>``: ``replicated``, ``pending`` or ``retrying: <error>``).
     """
 
     checkpoint_id: str
@@ -26,6 +30,12 @@ class CheckpointStatus:
     persisted_url: str | None = None
     files_uploaded: int = 0
     files_total: int = 0
+    replication: str = "off"
+    replicas: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def replicated(self) -> bool:
+        return self.replication == "replicated"
 
     @property
     def persisted(self) -> bool:

@@ -73,7 +73,13 @@ class MemoryStorageReader(StorageReader):
         src = self._source
         if src is None:
             raise ValueError("MemoryStorageReader.read_metadata called before reset(checkpoint_id)")
-        manifest = Manifest.read(src.local_dir / MANIFEST) if src.local_dir else src.remote.manifest
+        if src.local_dir is not None:
+            manifest = Manifest.read(src.local_dir / MANIFEST)
+        elif src.cluster is not None:
+            src.fetch_dir.mkdir(parents=True, exist_ok=True)
+            manifest = src.cluster.manifest(src.fetch_dir)
+        else:
+            manifest = src.remote.manifest
         self._storage_data = {MetadataIndex(it.fqn, it.chunk_offset): it.location for it in manifest.items}
         return decode_metadata(manifest.dcp, dict(self._storage_data))
 
@@ -108,16 +114,33 @@ class MemoryStorageReader(StorageReader):
         return fut
 
     def _read_file_or_fall_back(self, reads: list[_Read]) -> list[_Read]:
-        """Read one file's items from this node's copy; if that is missing or fails its checksum, from the
-        persisted copy (if there is one; else the local error stands)."""
+        """Read one file's items from the nearest tier that has it intact: this node's copy, else a copy
+        fetched from another node's memory, else the persisted copy (the last error stands if none)."""
         src = self._source
+        file = reads[0].loc.file
+        error: Exception | None = None
         if src.local_dir is not None:
             try:
                 return self._read_file(src.local_dir, reads)
             except (FileNotFoundError, ChecksumMismatchError) as e:
-                if src.remote is None:
-                    raise
-                log.warning("%s; reading it from %s instead", e, src.remote.target.url_of(src.checkpoint_id))
+                error = e
+        if src.cluster is not None and src.cluster.has(file):
+            try:
+                src.fetch_dir.mkdir(parents=True, exist_ok=True)
+                if not (src.fetch_dir / file).exists():
+                    src.cluster.fetch(file, src.fetch_dir / file)
+                if error is not None:
+                    log.warning("%s; read it from another node's memory instead", error)
+                return self._read_file(src.fetch_dir, reads)
+            except (FileNotFoundError, ChecksumMismatchError) as e:
+                (src.fetch_dir / file).unlink(missing_ok=True)
+                error = e
+        if src.remote is None:
+            if error is None:
+                raise FileNotFoundError(f"file {file} of checkpoint {src.checkpoint_id!r} is in no tier")
+            raise error
+        if error is not None:
+            log.warning("%s; reading it from %s instead", error, src.remote.target.url_of(src.checkpoint_id))
         for r in reads:
             self._read_remote(src.remote, r)
         return reads

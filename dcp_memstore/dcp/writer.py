@@ -33,12 +33,12 @@ from dcp_memstore.dcp.stager import Stager, current_rank
 from dcp_memstore.errors import CheckpointExistsError
 from dcp_memstore.memstore import MemStore
 from dcp_memstore.store import catalog
+from dcp_memstore.store.catalog import CommitRecord
 from dcp_memstore.store.faults import crash_point
 from dcp_memstore.store.ids import validate_name
 from dcp_memstore.store.layout import MANIFEST, StoreLayout, parse_slot
 from dcp_memstore.store.manifest import Manifest, ManifestItem
 from dcp_memstore.store.mapping import MAPPINGS
-from dcp_memstore.store.pool import FilePool
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -168,6 +168,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             )
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank", current_rank())
+        self.store.replication()  # a multi-node job: peers must be serving before anything commits
         if self.checkpoint_id is None:
             raise ValueError(
                 "dcp.save/async_save with MemoryStorageWriter needs checkpoint_id='NAME', e.g. 'step-100'"
@@ -201,6 +202,8 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
     @_releases_slot_on_error
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         MAPPINGS.prune()
+        catalog.join(self.store.layout, self.checkpoint_id)  # begun on the coordinator's node only
+        catalog.drop_copies(self.store.layout, self.checkpoint_id)  # of an older save under this id
         slot = self._current[1] if self._current else None
         results = RankWrite(self.store, self.rank, self.checkpoint_id, slot, plan, planner).run()
         self._current = None
@@ -219,16 +222,22 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             for wr in rank_results
         ]
         manifest = Manifest(self.checkpoint_id, len(results), items, encode_metadata(metadata))
-        manifest.write(layout.checkpoint_dir(self.checkpoint_id) / MANIFEST)
+        directory = layout.checkpoint_dir(self.checkpoint_id)
+        manifest.write(directory / MANIFEST)
         crash_point("before-commit", self.rank)
-        seq = catalog.next_seq(layout)
-        self.store.apply_persist_policy(self.checkpoint_id, seq)
-        catalog.commit(layout, self.checkpoint_id, manifest.nbytes, seq=seq)
+        record = CommitRecord(self.checkpoint_id, catalog.next_seq(layout), time.time(), manifest.nbytes)
+        self.store.prepare_commit(self.checkpoint_id, record.seq)
+        try:
+            self.store.commit_everywhere(record, (directory / MANIFEST).read_bytes())
+        except BaseException:
+            catalog.discard(layout, directory)
+            raise
+        catalog.commit(
+            layout, self.checkpoint_id, manifest.nbytes, seq=record.seq, committed_at=record.committed_at
+        )
         crash_point("after-commit", self.rank)
-        catalog.evict(layout, self.store.keep_in_memory)
+        self.store.after_commit()
         catalog.clear_abandoned(layout, before=self._save_started)
-        for rank in range(len(results)):
-            FilePool(layout, rank).trim(keep=self.store.max_in_flight * self.store.io_threads)
 
     def _release_slot(self) -> None:
         """This save failed: recycle its staging slot, and drop its ticket if it never started."""

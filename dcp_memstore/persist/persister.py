@@ -18,7 +18,6 @@ state "retrying".
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -35,14 +34,12 @@ from dcp_memstore.store.collective import dist_active
 from dcp_memstore.store.faults import crash_point
 from dcp_memstore.store.layout import MANIFEST, StoreLayout, file_rank
 from dcp_memstore.store.manifest import Manifest
-from dcp_memstore.store.threads import run_parallel
+from dcp_memstore.store.threads import run_parallel, yield_cpu_to_training
 
 log = logging.getLogger(__name__)
-_niced = threading.local()
 
 POLL_S = 0.2
 PUBLISH_POLL_S = 0.5  # how often a node whose files are all uploaded looks for other nodes' part records
-BACKGROUND_NICE = 10
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 30.0
 _PERMANENT = (
@@ -121,7 +118,7 @@ class Persister:
         self._wake.set()
 
     def _run(self) -> None:
-        _yield_cpu_to_training()
+        yield_cpu_to_training()
         while not self._stop.is_set():
             for rec in catalog.committed(self.layout):
                 if self._stop.is_set():
@@ -224,7 +221,7 @@ class Persister:
         self, rec: catalog.CommitRecord, progress: Progress, local_dir, file: str, items, rank: int
     ) -> None:
         """Upload one file, unless another process is uploading it or already has."""
-        _yield_cpu_to_training()
+        yield_cpu_to_training()
         with progress.exclusive(file) as mine:
             if not mine or file in progress.done_files():
                 return
@@ -250,17 +247,6 @@ class Persister:
                 f"{rec.checkpoint_id!r}; delete it there, or save under a new id"
             )
         progress.mark_persisted()
-
-
-def _yield_cpu_to_training() -> None:
-    """Lower this thread's CPU priority (nice +10, Linux: per thread), once: uploads use the CPU that
-    training leaves, instead of competing with it."""
-    if getattr(_niced, "done", False):
-        return
-    _niced.done = True
-    with contextlib.suppress(OSError, AttributeError):
-        tid = threading.get_native_id()  # threads it starts inherit the value: set it, do not add to it
-        os.setpriority(os.PRIO_PROCESS, tid, max(BACKGROUND_NICE, os.getpriority(os.PRIO_PROCESS, tid)))
 
 
 def _permanent(e: BaseException) -> bool:

@@ -7,6 +7,10 @@ payloads; nothing unpickled), and only touches paths under its own root and job:
     <root>/<job>/checkpoints/<checkpoint>/<file>                 this node's files (served by ``get``)
     <root>/<job>/replicas/<source-node>/<checkpoint>/<file>       replicas it keeps for other nodes
 
+A node's own files are served only once their checkpoint is committed there. The ``commit`` op (the
+coordinator telling this node that a checkpoint is complete, with its manifest) is handed to the store's
+``on_commit`` callback; a server without one refuses it.
+
 where every component a peer names is checked with ``validate_name`` (no separators, no '..', no hidden
 names). A received file is size-capped, checked against the free memory, allocated in full before its
 bytes arrive (so a full tmpfs is an error reply, never a SIGBUS), filled straight from the socket into its
@@ -25,6 +29,7 @@ import socket
 import stat
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from dcp_memstore.errors import InsufficientSpaceError
@@ -43,6 +48,9 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_FILE_BYTES = 1 << 40
 DEFAULT_MAX_CONNECTIONS = 64
 DEFAULT_IO_TIMEOUT_S = 60.0
+MAX_MANIFEST_BYTES = 1 << 30
+# on_commit(checkpoint, {"seq", "committed_at", "nbytes"}, manifest bytes): commit it on this node
+CommitHandler = Callable[[str, dict, bytes], None]
 _DRAIN_BYTES = 1 << 20  # read at most this much of a refused request's leftovers, so the reply is not lost
 _DRAIN_S = 1.0
 
@@ -108,6 +116,7 @@ class PeerServer:
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         io_timeout_s: float = DEFAULT_IO_TIMEOUT_S,
         window_s: float = DEFAULT_WINDOW_S,
+        on_commit: CommitHandler | None = None,
     ) -> None:
         job_id = validate_name(job_id, "job id")
         if isinstance(root, StoreLayout):
@@ -120,6 +129,7 @@ class PeerServer:
         self.verifier = RequestVerifier(secret, job_id, window_s)
         self.max_file_bytes = max_file_bytes
         self.io_timeout_s = io_timeout_s
+        self.on_commit = on_commit
         self._slots = threading.BoundedSemaphore(max_connections)
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, threading.Thread] = {}
@@ -221,6 +231,7 @@ class PeerServer:
                     "stat": self._op_stat,
                     "put": self._op_put,
                     "get": self._op_get,
+                    "commit": self._op_commit,
                 }
                 try:
                     handler[op](conn, header, nonce)
@@ -315,6 +326,8 @@ class PeerServer:
         source = header["source"]
         if source is None:
             path, what = self.layout.checkpoint_dir(checkpoint) / file, "this node's copy"
+            if not (path.parent / COMMITTED).exists():
+                raise _Refusal("not_found", f"checkpoint {checkpoint} is not committed on this node")
         else:
             source = _name(source, "source node")
             path, what = self.layout.replica_dir(source, checkpoint) / file, f"the replica of node {source}"
@@ -331,6 +344,27 @@ class PeerServer:
         with source_file:
             self._reply(conn, nonce, {"size": source_file.length})
             wire.send_trailer(conn, wire.send_payload(conn, source_file.view))
+
+    def _op_commit(self, conn: socket.socket, header: dict, nonce: bytes) -> None:
+        checkpoint = _name(header["checkpoint"], "checkpoint id")
+        size = header["size"]
+        if self.on_commit is None:
+            raise _Refusal("bad_request", "this server does not take commits (it serves no store)")
+        if size > min(self.max_file_bytes, MAX_MANIFEST_BYTES):
+            raise _Refusal("too_large", f"a manifest of {size} bytes exceeds this server's limit")
+        manifest = bytearray(size)
+        self._reply(conn, nonce, {})
+        actual = wire.recv_payload(conn, memoryview(manifest))
+        if actual != wire.recv_trailer(conn):
+            raise _Refusal(
+                "checksum", f"the manifest of checkpoint {checkpoint} arrived corrupt; send it again"
+            )
+        record = {k: header[k] for k in ("seq", "committed_at", "nbytes")}
+        try:
+            self.on_commit(checkpoint, record, bytes(manifest))
+        except (OSError, ValueError) as e:
+            raise _Refusal("io_error", f"cannot commit checkpoint {checkpoint} on this node: {e}") from None
+        self._reply(conn, nonce, {})
 
 
 def _listen(host: str, port: int) -> socket.socket:

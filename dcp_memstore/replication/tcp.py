@@ -190,6 +190,22 @@ class TcpTransport(Transport):
                 )
             self._receive(call, out)
 
+    def commit(self, peer_addr: PeerAddress, checkpoint: str, record: dict, manifest: bytes) -> None:
+        """Tell the peer's node that checkpoint ``checkpoint`` is committed: send its manifest and commit
+        record (``seq``, ``committed_at``, ``nbytes``); returns once the peer has committed it."""
+        checkpoint = validate_name(checkpoint, "checkpoint id")
+        with self._call(peer_addr, f"committing checkpoint {checkpoint}") as call:
+            fields = {
+                "checkpoint": checkpoint,
+                "seq": int(record["seq"]),
+                "committed_at": float(record["committed_at"]),
+                "nbytes": int(record["nbytes"]),
+                "size": len(manifest),
+            }
+            nonce, _ = call.request("commit", fields)
+            call.run(wire.send_trailer, call.run(wire.send_payload, memoryview(manifest)))
+            call.reply("commit", nonce)
+
     def stat(self, peer_addr: PeerAddress, checkpoint: str) -> dict:
         checkpoint = validate_name(checkpoint, "checkpoint id")
         with self._call(peer_addr, f"asking what it holds of checkpoint {checkpoint}") as call:

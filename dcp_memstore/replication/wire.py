@@ -17,6 +17,8 @@ Conversations (one or more per connection; every request is authenticated, see `
     put:  request {source, checkpoint, file, size}        -> reply (go-ahead or refusal)
           payload, trailer                                -> reply (stored, or refused: checksum, ...)
     get:  request {checkpoint, file, source, offset, length} -> reply {size}, payload, trailer
+    commit: request {checkpoint, seq, committed_at, nbytes, size}, payload (the manifest), trailer
+                                                          -> reply (committed on the peer's node, or refused)
 
 The ``put`` go-ahead costs one round trip per file, and in exchange a refused file (no space, too large,
 bad name, unauthenticated) is refused before any of its bytes travel.
@@ -68,6 +70,10 @@ def _bool(v: Any) -> bool:
     return type(v) is bool
 
 
+def _float(v: Any) -> bool:
+    return type(v) is float
+
+
 def _file_sizes(v: Any) -> bool:
     return type(v) is dict and all(_str(k) and _uint(s) for k, s in v.items())
 
@@ -81,6 +87,7 @@ _TYPE_NAMES = {
     _str: "a str",
     _bytes: "bytes",
     _bool: "a bool",
+    _float: "a float",
     _file_sizes: "a map of file name to size",
     _replica_files: "a map of source node to a map of file name to size",
 }
@@ -115,6 +122,7 @@ REQUESTS: dict[str, dict[str, Callable[[Any], bool]]] = {
         "offset": _uint,
         "length": _optional(_uint),
     },
+    "commit": {"checkpoint": _str, "seq": _uint, "committed_at": _float, "nbytes": _uint, "size": _uint},
 }
 
 # Fields of a successful reply, by op, besides "ok", "re" (the request's nonce) and "mac".
@@ -123,6 +131,7 @@ REPLIES: dict[str, dict[str, Callable[[Any], bool]]] = {
     "stat": {"own": _file_sizes, "committed": _bool, "replicas": _replica_files},
     "put": {},
     "get": {"size": _uint},
+    "commit": {},
 }
 
 _TRAILER = {"op": _str, "checksum": _uint}

@@ -86,12 +86,32 @@ def next_seq(layout: StoreLayout) -> int:
     return max((r.seq for r in committed(layout)), default=0) + 1
 
 
-def commit(layout: StoreLayout, checkpoint_id: str, nbytes: int, seq: int | None = None) -> CommitRecord:
-    """Write the COMMITTED marker: from here on the checkpoint is visible (coordinator only). ``seq``
-    defaults to ``next_seq``; pass the one a caller already decided on (e.g. to place a hold first)."""
+def join(layout: StoreLayout, checkpoint_id: str) -> Path:
+    """The checkpoint's directory on this node, begun here if the coordinator runs on another node (its
+    ``begin`` made the directory on its own node only). Safe to race between the ranks of a node."""
+    final = layout.checkpoint_dir(checkpoint_id)
+    if not final.is_dir():
+        try:
+            begin(layout, checkpoint_id)
+        except OSError:
+            if not final.is_dir():  # not a rank of this node that got there first
+                raise
+    return final
+
+
+def commit(
+    layout: StoreLayout,
+    checkpoint_id: str,
+    nbytes: int,
+    seq: int | None = None,
+    committed_at: float | None = None,
+) -> CommitRecord:
+    """Write the COMMITTED marker: from here on the checkpoint is visible (coordinator only, or on each
+    node as the coordinator says). ``seq`` defaults to ``next_seq``; pass the one a caller already decided
+    on (e.g. to place a hold first). ``committed_at`` defaults to now (other nodes take the coordinator's)."""
     d = layout.checkpoint_dir(checkpoint_id)
     seq = next_seq(layout) if seq is None else seq
-    rec = CommitRecord(checkpoint_id, seq, time.time(), nbytes)
+    rec = CommitRecord(checkpoint_id, seq, time.time() if committed_at is None else committed_at, nbytes)
     write_record(d / COMMITTED, rec.to_record())
     (d / INPROGRESS).unlink(missing_ok=True)
     return rec
@@ -169,6 +189,18 @@ def holds(layout: StoreLayout, checkpoint_id: str) -> list[str]:
         return []
 
 
+def drop_copies(layout: StoreLayout, checkpoint_id: str) -> None:
+    """Delete what this node keeps of ``checkpoint_id`` for others or from others: the replicas of other
+    nodes' files and files fetched to read here."""
+    try:
+        sources = list(os.scandir(layout.replicas_dir))
+    except FileNotFoundError:
+        sources = []
+    for src in sources:
+        shutil.rmtree(os.path.join(src.path, checkpoint_id), ignore_errors=True)
+    shutil.rmtree(layout.fetched_dir(checkpoint_id), ignore_errors=True)
+
+
 def evict(layout: StoreLayout, keep: int) -> list[str]:
     """Evict all but the ``keep`` newest committed checkpoints, except those held (see ``hold``)."""
     recs = committed(layout)
@@ -177,6 +209,7 @@ def evict(layout: StoreLayout, keep: int) -> list[str]:
     ]
     for cid in victims:
         discard(layout, layout.checkpoint_dir(cid))
+        drop_copies(layout, cid)
     return victims
 
 

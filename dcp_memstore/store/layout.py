@@ -6,6 +6,7 @@
     <root>/<job_id>/pool/rank<r>/                  shard files of evicted checkpoints, reused by rank r
     <root>/<job_id>/trash/                         checkpoints being evicted or cleared
     <root>/<job_id>/replicas/<node>/<checkpoint_id>/   replicas of other nodes' shard files
+    <root>/<job_id>/fetched/<checkpoint_id>/       files fetched from other nodes to read them here
 
 A checkpoint directory is visible to readers only once its COMMITTED marker exists.
 """
@@ -104,6 +105,10 @@ class StoreLayout:
     def replica_dir(self, source_node: str, checkpoint_id: str) -> Path:
         """This node's replica of checkpoint ``checkpoint_id`` of node ``source_node``."""
         return self.replicas_dir / source_node / checkpoint_id
+
+    def fetched_dir(self, checkpoint_id: str) -> Path:
+        """Files of checkpoint ``checkpoint_id`` fetched from other nodes' memory to be read on this one."""
+        return self.job_dir / "fetched" / checkpoint_id
 
     def pool_dir(self, rank: int) -> Path:
         return self.job_dir / "pool" / f"rank{rank}"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -10,6 +12,8 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 _pools: dict[tuple[str, int], ThreadPoolExecutor] = {}
 _lock = threading.Lock()
+_niced = threading.local()
+BACKGROUND_NICE = 10
 
 
 def run_parallel(fn: Callable[[Any], T], items: Iterable[Any], threads: int, pool: str = "io") -> list[T]:
@@ -28,3 +32,14 @@ def run_parallel(fn: Callable[[Any], T], items: Iterable[Any], threads: int, poo
                 threads, thread_name_prefix=f"dcp_memstore_{pool}"
             )
     return list(executor.map(fn, items))
+
+
+def yield_cpu_to_training() -> None:
+    """Lower this thread's CPU priority (nice +10, Linux: per thread), once: background work (uploads,
+    replication) uses the CPU that training leaves, instead of competing with it."""
+    if getattr(_niced, "done", False):
+        return
+    _niced.done = True
+    with contextlib.suppress(OSError, AttributeError):
+        tid = threading.get_native_id()  # threads it starts inherit the value: set it, do not add to it
+        os.setpriority(os.PRIO_PROCESS, tid, max(BACKGROUND_NICE, os.getpriority(os.PRIO_PROCESS, tid)))

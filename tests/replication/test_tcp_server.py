@@ -127,6 +127,10 @@ def test_get_from_own_checkpoint_dir_and_empty_file(server, transport, peer_root
     data = os.urandom(MiB + 1)
     make_file(peer, "step-7", shard_name(3, 1), data)
     make_file(peer, "step-7", "empty.bin", b"")
+    with pytest.raises(ReplicationError, match="not committed") as e:  # a save still in progress there
+        transport.get_file(server.address, "step-7", shard_name(3, 1), local.job_dir / "a")
+    assert e.value.code == "not_found" and not (local.job_dir / "a").exists()
+    make_file(peer, "step-7", COMMITTED, b"")
     transport.get_file(server.address, "step-7", shard_name(3, 1), local.job_dir / "a")
     assert (local.job_dir / "a").read_bytes() == data
     transport.get_file(server.address, "step-7", "empty.bin", local.job_dir / "b")
@@ -322,6 +326,7 @@ def test_symlink_in_checkpoint_dir_not_followed(server, transport, peer_root, lo
     outside = peer_root.parent / "secret.txt"
     outside.write_bytes(b"not for peers")
     (peer.checkpoint_dir("step-1") / "link").symlink_to(outside)
+    make_file(peer, "step-1", COMMITTED, b"")
     with pytest.raises(ReplicationError) as e:
         transport.get_file(server.address, "step-1", "link", local.job_dir / "x")
     assert e.value.code == "io_error"
@@ -330,6 +335,7 @@ def test_symlink_in_checkpoint_dir_not_followed(server, transport, peer_root, lo
 
 def test_get_missing_file_and_bad_range(server, transport, peer_root, local):
     make_file(StoreLayout(peer_root, JOB), "step-1", "f", b"0123456789")
+    make_file(StoreLayout(peer_root, JOB), "step-1", COMMITTED, b"")
     with pytest.raises(ReplicationError, match="no file nope") as e:
         transport.get_file(server.address, "step-1", "nope", local.job_dir / "x")
     assert e.value.code == "not_found"
@@ -517,3 +523,28 @@ def test_bind_address_and_layout_argument(peer_root, secret):
         PeerServer(StoreLayout(peer_root, "other"), JOB, secret, "127.0.0.1")
     with pytest.raises(OSError, match="cannot resolve"):
         PeerServer(peer_root, JOB, secret, "no-such-host.invalid")
+
+
+def test_commit_hands_manifest_and_record_to_the_store(peer_root, secret, transport):
+    got = []
+    with PeerServer(peer_root, JOB, secret, "127.0.0.1", on_commit=lambda *a: got.append(a)) as srv:
+        manifest = os.urandom(3 * MiB + 5)  # more than one payload piece
+        record = {"seq": 7, "committed_at": 1234.5, "nbytes": len(manifest)}
+        transport.commit(srv.address, "step-7", record, manifest)
+    assert got == [("step-7", record, manifest)]
+
+
+def test_commit_refused_without_a_store_or_when_the_store_fails(server, peer_root, secret, transport):
+    with pytest.raises(ReplicationError, match="does not take commits") as e:
+        transport.commit(server.address, "step-1", {"seq": 1, "committed_at": 1.0, "nbytes": 0}, b"m")
+    assert e.value.code == "bad_request"
+
+    def failing(*_):
+        raise OSError("disk on fire")
+
+    with PeerServer(peer_root, JOB, secret, "127.0.0.1", on_commit=failing) as srv:
+        with pytest.raises(ReplicationError, match="disk on fire") as e:
+            transport.commit(srv.address, "step-1", {"seq": 1, "committed_at": 1.0, "nbytes": 0}, b"m")
+        assert e.value.code == "io_error"
+        with pytest.raises(ValueError, match="checkpoint id"):  # refused before anything is sent
+            transport.commit(srv.address, "../x", {"seq": 1, "committed_at": 1.0, "nbytes": 0}, b"m")

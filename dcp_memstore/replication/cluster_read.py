@@ -1,0 +1,93 @@
+"""Reading a checkpoint from the cluster's memory: which node holds each file (its own copy, or a replica
+it keeps for another node), and fetching files from there.
+
+Used when this node lacks files of a checkpoint: a node replaced with an empty tmpfs, a file lost or
+corrupt here, or a load with another number of nodes or ranks than the save (then files another node's
+ranks wrote are needed here). Fetched files are checksum-verified in transit, then every item again
+against the manifest when read.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from dcp_memstore.replication.peers import Peers
+from dcp_memstore.replication.tcp import TcpTransport
+from dcp_memstore.replication.transport import format_peer
+from dcp_memstore.store.layout import COMMITTED, MANIFEST
+from dcp_memstore.store.manifest import Manifest
+from dcp_memstore.store.threads import run_parallel
+
+log = logging.getLogger(__name__)
+
+
+class ClusterCheckpoint:
+    """Where the files of checkpoint ``checkpoint_id`` are in the job's memory, from asking every node's
+    server once (nodes that do not answer are left out, with a warning)."""
+
+    def __init__(self, peers: Peers, transport: TcpTransport, checkpoint_id: str) -> None:
+        self.peers, self.transport, self.checkpoint_id = peers, transport, checkpoint_id
+        # file -> [(node, replica source node name, or None for the node's own copy)], nearest node first
+        self.holders: dict[str, list[tuple[int, str | None]]] = {}
+        self.committed_on: list[int] = []
+        me = peers.node.node_rank
+        order = [(me + d) % peers.node.nnodes for d in range(peers.node.nnodes)]
+        for node, st in zip(order, run_parallel(self._stat, order, len(order), pool="cluster"), strict=True):
+            if st is None:
+                continue
+            if st["committed"]:
+                self.committed_on.append(node)
+                for f in st["own"]:
+                    if f != COMMITTED:
+                        self.holders.setdefault(f, []).append((node, None))
+            for source, files in st["replicas"].items():
+                for f in files:
+                    self.holders.setdefault(f, []).append((node, source))
+
+    def _stat(self, node: int) -> dict | None:
+        addr = self.peers.server(node)
+        try:
+            return self.transport.stat(addr, self.checkpoint_id)
+        except (ConnectionError, TimeoutError, OSError, RuntimeError) as e:
+            log.warning(
+                "cannot ask %s what it holds of checkpoint %r: %s", format_peer(addr), self.checkpoint_id, e
+            )
+            return None
+
+    @property
+    def available(self) -> bool:
+        return bool(self.committed_on)
+
+    def manifest(self, dest_dir: Path) -> Manifest:
+        """The checkpoint's manifest, fetched from a node where it is committed into ``dest_dir``."""
+        errors = []
+        for node in self.committed_on:
+            addr = self.peers.server(node)
+            try:
+                self.transport.get_file(addr, self.checkpoint_id, MANIFEST, dest_dir / MANIFEST)
+                return Manifest.read(dest_dir / MANIFEST)
+            except (ConnectionError, TimeoutError, OSError, RuntimeError, ValueError) as e:
+                errors.append(f"{format_peer(addr)}: {e}")
+        raise FileNotFoundError(
+            f"checkpoint {self.checkpoint_id!r} is committed on no reachable node"
+            + (f" ({'; '.join(errors)})" if errors else "")
+        )
+
+    def has(self, file: str) -> bool:
+        return file in self.holders
+
+    def fetch(self, file: str, dest: Path) -> Path:
+        """Fetch ``file`` from the nearest node that holds it into ``dest`` (appears once verified)."""
+        errors = []
+        for node, source in self.holders.get(file, []):
+            addr = self.peers.server(node)
+            try:
+                self.transport.get_file(addr, self.checkpoint_id, file, dest, source)
+                return dest
+            except (ConnectionError, TimeoutError, OSError, RuntimeError) as e:
+                errors.append(f"{format_peer(addr)}: {e}")
+        raise FileNotFoundError(
+            f"file {file} of checkpoint {self.checkpoint_id!r} is held by no reachable node"
+            + (f" ({'; '.join(errors)})" if errors else "")
+        )

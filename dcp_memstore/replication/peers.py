@@ -1,0 +1,121 @@
+"""The job's replication peers: this process's place in the job, every rank's server address, the secret.
+
+Every rank runs a peer server and announces its address in the torch.distributed store under
+``dcp_memstore/<job>/addr/<rank>``; a rank reads the others' when it first needs them. ``Peers`` is plain
+data (picklable), so DCP's checkpoint process can commit and replicate with what the training process
+learned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from dcp_memstore.replication.placement import NodeInfo, peer_rank, replica_targets
+from dcp_memstore.replication.transport import PeerAddress
+from dcp_memstore.store.ids import validate_name
+
+ENV_BIND = "DCP_MEMSTORE_BIND"
+
+
+def node_name(node: int) -> str:
+    """The name node ``node``'s replicas are kept under on its peers (``replicas/<name>/``)."""
+    return f"node{node}"
+
+
+def address_key(job_id: str, rank: int) -> str:
+    return f"dcp_memstore/{validate_name(job_id, 'job id')}/addr/{rank}"
+
+
+def default_bind_host() -> str:
+    """Where this rank's peer server listens when the user does not say: ``$DCP_MEMSTORE_BIND``, else the
+    local address of the interface that reaches the rendezvous host (``$MASTER_ADDR``), which is the
+    network the job's ranks already talk on, else 127.0.0.1 (a single machine)."""
+    return os.environ.get(ENV_BIND) or _route_host()
+
+
+def announced_host(bound: str) -> str:
+    """The address to give peers for a server bound to ``bound`` (a wildcard such as 0.0.0.0 is not an
+    address peers can reach: give the one that routes to the rendezvous host)."""
+    with contextlib.suppress(ValueError):
+        if ipaddress.ip_address(bound).is_unspecified:
+            return _route_host()
+    return bound
+
+
+def _route_host() -> str:
+    """The local IPv4 address that routes to ``$MASTER_ADDR`` (no packet is sent), else 127.0.0.1."""
+    master = os.environ.get("MASTER_ADDR")
+    if master:
+        with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master, int(os.environ.get("MASTER_PORT", "29500") or 29500)))
+            return s.getsockname()[0]
+    return "127.0.0.1"
+
+
+def announce(store: Any, job_id: str, rank: int, address: PeerAddress) -> None:
+    """Publish rank ``rank``'s server address in the torch.distributed store."""
+    store.set(address_key(job_id, rank), f"{address[0]} {address[1]}")
+
+
+def lookup(store: Any, job_id: str, world_size: int, timeout_s: float) -> dict[int, PeerAddress]:
+    """Every rank's server address, waiting up to ``timeout_s`` for ranks that have not announced one."""
+    keys = [address_key(job_id, r) for r in range(world_size)]
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+    except RuntimeError as e:  # c10d's DistStoreError (a timeout) subclasses RuntimeError
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        raise RuntimeError(
+            f"ranks {missing} of job {job_id!r} announced no replication server within {timeout_s} s: "
+            "every rank must create its MemStore (after init_process_group) before the first save"
+        ) from e
+    out = {}
+    for r, k in enumerate(keys):
+        host, port = bytes(store.get(k)).decode().rsplit(" ", 1)
+        out[r] = (host, int(port))
+    return out
+
+
+@dataclass(frozen=True)
+class Peers:
+    """Who replicates where in job ``job_id``: this process's ``node`` info, the replication factor ``k``
+    (0: replication off; commits still reach every node), the job's ``secret`` and every rank's server."""
+
+    job_id: str
+    node: NodeInfo
+    k: int
+    secret: bytes
+    addresses: dict[int, PeerAddress]
+
+    @property
+    def name(self) -> str:
+        """This node's name (``node<i>``)."""
+        return node_name(self.node.node_rank)
+
+    def server(self, node: int, local_rank: int | None = None) -> PeerAddress:
+        """The server of local rank ``local_rank`` (default: this process's) on node ``node``."""
+        lr = self.node.local_rank if local_rank is None else local_rank
+        return self.addresses[peer_rank(node, lr, self.node.local_world_size)]
+
+    def targets(self) -> list[int]:
+        """The nodes this node's files are replicated to, nearest first (none when ``k`` is 0)."""
+        return replica_targets(self.node.node_rank, self.node.nnodes, self.k) if self.k else []
+
+    def other_nodes(self) -> list[int]:
+        return [n for n in range(self.node.nnodes) if n != self.node.node_rank]
+
+    def node_ranks(self, node: int | None = None) -> range:
+        """The global ranks on node ``node`` (default: this one)."""
+        n = self.node.node_rank if node is None else node
+        lws = self.node.local_world_size
+        return range(n * lws, (n + 1) * lws)
+
+    def pushes(self, rank_of_file: int | None) -> bool:
+        """Whether this process sends a file written by rank ``rank_of_file`` (one process per file on
+        each node: the local rank equal to the writer's rank modulo the ranks per node)."""
+        return rank_of_file is not None and rank_of_file % self.node.local_world_size == self.node.local_rank

@@ -1,0 +1,144 @@
+"""Recovery from the cluster's memory: which checkpoints the job can still read when nodes lost their
+tmpfs, restoring a replaced node's files from the peers that keep its replicas, and telling the
+replicators which replicas were lost so they send them again.
+
+``latest_checkpoint()`` gathers every node's ``inventory`` (one rank per node reports: the checkpoints
+committed there with the files their manifests list, and the files it holds, its own and the replicas it
+keeps for others). A checkpoint is readable from memory if some node still has its manifest and every file
+it lists is held somewhere. Every rank computes the same answer from the same gathered views.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from dcp_memstore.replication.cluster_read import ClusterCheckpoint
+from dcp_memstore.replication.peers import Peers, node_name
+from dcp_memstore.replication.replicator import ReplicaRecords, manifest_files, node_files, to
+from dcp_memstore.replication.tcp import TcpTransport
+from dcp_memstore.store import catalog
+from dcp_memstore.store.layout import StoreLayout, file_rank
+from dcp_memstore.store.threads import run_parallel
+
+log = logging.getLogger(__name__)
+
+
+def _list(directory: str) -> dict[str, int]:
+    out = {}
+    try:
+        entries = list(os.scandir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return out
+    for e in entries:
+        if e.is_file(follow_symlinks=False) and not e.name.startswith("."):
+            out[e.name] = e.stat(follow_symlinks=False).st_size
+    return out
+
+
+def inventory(layout: StoreLayout) -> dict:
+    """What this node holds: ``committed`` [[id, committed_at, seq, nbytes, {file: size} listed]],
+    ``own`` {id: {file: size}} present, ``replicas`` {source node: {id: {file: size}}}."""
+    committed, own = [], {}
+    for r in catalog.committed(layout):
+        committed.append(
+            [r.checkpoint_id, r.committed_at, r.seq, r.nbytes, manifest_files(layout, r.checkpoint_id)]
+        )
+        own[r.checkpoint_id] = node_files(layout, r.checkpoint_id)
+    replicas: dict[str, dict[str, dict[str, int]]] = {}
+    try:
+        sources = list(os.scandir(layout.replicas_dir))
+    except FileNotFoundError:
+        sources = []
+    for src in sources:
+        for ck in list(os.scandir(src.path)) if src.is_dir() else []:
+            files = _list(ck.path)
+            if files:
+                replicas.setdefault(src.name, {})[ck.name] = files
+    return {"committed": committed, "own": own, "replicas": replicas}
+
+
+def readable(inventories: list[dict]) -> dict[str, tuple[float, int, int]]:
+    """The checkpoints the job can read from memory, with (committed_at, seq, nbytes): some node has the
+    manifest and every file it lists is held by some node (own copy or replica) at the listed size."""
+    listed: dict[str, tuple[tuple[float, int, int], dict[str, int]]] = {}
+    held: dict[str, dict[str, int]] = {}
+    for inv in inventories:
+        for cid, at, seq, nbytes, files in inv["committed"]:
+            listed.setdefault(cid, ((at, seq, nbytes), files))
+        for cid, files in inv["own"].items():
+            held.setdefault(cid, {}).update(files)
+        for by_id in inv["replicas"].values():
+            for cid, files in by_id.items():
+                held.setdefault(cid, {}).update(files)
+    out = {}
+    for cid, (rec, files) in listed.items():
+        have = held.get(cid, {})
+        if all(have.get(f, -1) >= size for f, size in files.items()):
+            out[cid] = rec
+    return out
+
+
+def restore(
+    layout: StoreLayout,
+    peers: Peers,
+    transport: TcpTransport,
+    checkpoint_id: str,
+    record: tuple[float, int, int],
+    threads: int,
+) -> int:
+    """Make committed checkpoint ``checkpoint_id`` whole again on this node: fetch its manifest and the
+    files this node's ranks wrote from the nodes holding them, then commit it here with the job's
+    ``record`` (committed_at, seq, nbytes). Returns the bytes fetched. Raises FileNotFoundError if a file
+    is held by no reachable node (nothing is committed then)."""
+    cluster = ClusterCheckpoint(peers, transport, checkpoint_id)
+    stale = layout.checkpoint_dir(checkpoint_id)
+    if stale.exists():
+        catalog.discard(layout, stale)
+    d = catalog.begin(layout, checkpoint_id)
+    try:
+        manifest = cluster.manifest(d)
+        ranks = peers.node_ranks()
+        mine = [f for f in manifest.files if file_rank(f) in ranks]
+        run_parallel(lambda f: cluster.fetch(f, d / f), mine, threads, pool="fetch")
+    except BaseException:
+        catalog.discard(layout, d)
+        raise
+    at, seq, nbytes = record
+    if peers.targets():
+        ReplicaRecords(layout, checkpoint_id).hold()  # settled by ``resync`` and the replicator
+    catalog.commit(layout, checkpoint_id, nbytes, seq=seq, committed_at=at)
+    return sum(os.stat(d / f).st_size for f in mine)
+
+
+def resync(layout: StoreLayout, peers: Peers, inventories: dict[int, dict]) -> list[str]:
+    """Bring this node's replica records in line with what its targets hold (``inventories`` by node):
+    files a target holds at the right size count as acknowledged (e.g. after a restore), files it lost
+    (a replaced node) are owed again and their checkpoint held until they are sent. Returns the
+    checkpoints that owe replicas again."""
+    owed = []
+    for r in catalog.committed(layout):
+        cid = r.checkpoint_id
+        files = node_files(layout, cid)
+        records = ReplicaRecords(layout, cid)
+        lost = False
+        for t in peers.targets():
+            inv = inventories.get(t)
+            if inv is None:
+                continue  # the target reported nothing (not in this job now): leave its records alone
+            there = inv["replicas"].get(peers.name, {}).get(cid, {})
+            gone = {f for f, size in files.items() if there.get(f) != size}
+            for f in set(files) - gone:
+                records.mark_done(f, to(t))
+            if gone & records.done_files(to(t)) or (gone and not records.owed()):
+                lost = True
+            records.forget(gone, to(t))
+        if lost:
+            log.info(
+                "checkpoint %r: replicas lost on %s; sending them again",
+                cid,
+                [node_name(t) for t in peers.targets()],
+            )
+            records.hold()
+            owed.append(cid)
+    return owed

@@ -1,0 +1,196 @@
+"""The replicator: one background thread per process that sends this node's committed checkpoint files to
+the nodes keeping their replicas (``Peers.targets``), and what it has done, for ``store.status``.
+
+Each checkpoint committed on a node with replication on carries the retention hold ``replicate`` from
+before it is visible; it is released once every file of the checkpoint on this node is acknowledged by
+every target (the target verified the checksum and renamed the file into place). So a checkpoint is never
+evicted while a replica is owed, and training is never blocked: a dead or slow peer only leaves the
+checkpoint under-replicated (state ``retrying`` with the error), retried with exponential backoff.
+
+Work is split by file: the local rank equal to the file's writer rank modulo the ranks per node sends it,
+to the server of the same local rank on the target node. Records (``TierProgress``, tier ``replicate``):
+``done`` group ``to-node<t>`` per target, state ``<rank>-node<t>`` per process and target.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+from dcp_memstore.replication.peers import Peers, node_name
+from dcp_memstore.replication.transport import ReplicationError, Transport
+from dcp_memstore.store import catalog
+from dcp_memstore.store.layout import MANIFEST, StoreLayout, file_rank
+from dcp_memstore.store.manifest import Manifest
+from dcp_memstore.store.threads import yield_cpu_to_training
+from dcp_memstore.store.tier_progress import TierProgress
+
+log = logging.getLogger(__name__)
+
+REPLICA_HOLD = "replicate"
+POLL_S = 0.2
+BACKOFF_START_S = 0.5
+BACKOFF_MAX_S = 10.0
+_manifest_files: dict[tuple[str, str, float], dict[str, int]] = {}  # (job dir, checkpoint, committed_at)
+
+
+def to(target: int) -> str:
+    """The records group of files acknowledged by node ``target``."""
+    return f"to-{node_name(target)}"
+
+
+class ReplicaRecords(TierProgress):
+    """What has been replicated of checkpoint ``checkpoint_id`` of this node, and to which nodes."""
+
+    def __init__(self, layout: StoreLayout, checkpoint_id: str) -> None:
+        super().__init__(layout, checkpoint_id, "replicate")
+
+    def owed(self) -> bool:
+        return REPLICA_HOLD in catalog.holds(self.layout, self.checkpoint_id)
+
+    def hold(self) -> None:
+        catalog.hold(self.layout, self.checkpoint_id, REPLICA_HOLD, {"at": time.time()})
+
+    def missing(self, files: dict[str, int], target: int) -> set[str]:
+        return set(files) - self.done_files(to(target))
+
+    def settle(self, files: dict[str, int], targets: list[int]) -> bool:
+        """Release the hold if every file reached every target; return whether it did."""
+        if any(self.missing(files, t) for t in targets):
+            return False
+        catalog.release(self.layout, self.checkpoint_id, REPLICA_HOLD)
+        return True
+
+    def peer_states(self, files: dict[str, int], targets: list[int]) -> dict[str, str]:
+        """Per target node: ``replicated``, ``pending`` or ``retrying: <error>``."""
+        retrying = {s.get("target"): s.get("error") for s in self.states() if s.get("state") == "retrying"}
+        out = {}
+        for t in targets:
+            if not self.missing(files, t):
+                out[node_name(t)] = "replicated"
+            elif t in retrying:
+                out[node_name(t)] = f"retrying: {retrying[t]}"
+            else:
+                out[node_name(t)] = "pending"
+        return out
+
+
+def manifest_files(layout: StoreLayout, checkpoint_id: str) -> dict[str, int]:
+    """Every data file committed checkpoint ``checkpoint_id`` lists (on all nodes), with the bytes of it
+    that hold data; empty if the checkpoint is gone. Cached per save."""
+    rec = catalog.read_commit(layout, checkpoint_id)
+    if rec is None:
+        return {}
+    key = (str(layout.job_dir), checkpoint_id, rec.committed_at)
+    listed = _manifest_files.get(key)
+    if listed is None:
+        try:
+            listed = Manifest.read(layout.checkpoint_dir(checkpoint_id) / MANIFEST).files
+        except (FileNotFoundError, ValueError):
+            return {}
+        if len(_manifest_files) > 256:
+            _manifest_files.clear()
+        _manifest_files[key] = listed
+    return listed
+
+
+def node_files(layout: StoreLayout, checkpoint_id: str) -> dict[str, int]:
+    """The data files of committed checkpoint ``checkpoint_id`` present on this node (those its manifest
+    lists; other nodes hold the rest), with their sizes. Empty if the checkpoint is gone."""
+    d = layout.checkpoint_dir(checkpoint_id)
+    out = {}
+    for name in manifest_files(layout, checkpoint_id):
+        try:
+            out[name] = os.stat(d / name).st_size
+        except FileNotFoundError:
+            continue
+    return out
+
+
+class Replicator:
+    """Sends this node's files of every committed checkpoint that owes replicas (see module docstring).
+
+    ``peers`` is called (in the thread) to get the job's ``Peers``; it may block until every rank has
+    announced its server."""
+
+    def __init__(self, layout: StoreLayout, peers: Callable[[], Peers], transport: Transport) -> None:
+        self.layout, self._peers, self.transport = layout, peers, transport
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._retry_at: dict[int, tuple[float, float]] = {}  # target -> (next attempt, current backoff)
+        self._thread = threading.Thread(target=self._run, name="dcp_memstore_replicate", daemon=True)
+        self._thread.start()
+
+    def wake(self) -> None:
+        """Look for owed replicas now instead of at the next poll (a commit, a lost replica)."""
+        self._wake.set()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the thread; a transfer in flight ends when the transport is closed (by the caller)."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        yield_cpu_to_training()
+        try:
+            peers = self._peers()
+        except Exception:  # noqa: BLE001 - no peers, no replication; saves go on
+            log.exception("replicator: cannot learn the job's peers; replication is off in this process")
+            return
+        while not self._stop.is_set():
+            for rec in catalog.committed(self.layout):
+                if self._stop.is_set():
+                    break
+                try:
+                    self._replicate(peers, rec.checkpoint_id)
+                except Exception:  # noqa: BLE001 - e.g. deleted under us; the thread must go on
+                    log.exception("replicator: checkpoint %r", rec.checkpoint_id)
+            self._wake.wait(POLL_S)
+            self._wake.clear()
+
+    def _replicate(self, peers: Peers, cid: str) -> None:
+        records = ReplicaRecords(self.layout, cid)
+        if not records.owed():
+            return
+        files = node_files(self.layout, cid)
+        targets = peers.targets()
+        for t in targets:
+            if self._stop.is_set() or time.monotonic() < self._retry_at.get(t, (0.0, 0.0))[0]:
+                continue
+            mine = sorted(f for f in records.missing(files, t) if peers.pushes(file_rank(f)))
+            for f in mine:
+                start = time.perf_counter()
+                try:
+                    self.transport.put_file(
+                        peers.server(t), peers.name, cid, f, self.layout.checkpoint_dir(cid) / f
+                    )
+                except FileNotFoundError:
+                    return  # evicted or deleted meanwhile
+                except (ConnectionError, TimeoutError, ReplicationError, OSError) as e:
+                    self._failed(records, peers, t, cid, f, e)
+                    break
+                records.mark_done(f, to(t))
+                self._retry_at.pop(t, None)
+                seconds = time.perf_counter() - start
+                log.debug(
+                    "replicated %s/%s to %s: %d bytes in %.3f s (%.2f GB/s)",
+                    cid, f, node_name(t), files[f], seconds, files[f] / max(seconds, 1e-9) / 1e9,
+                )  # fmt: skip
+            else:
+                if mine:
+                    records.report(f"{peers.node.rank}-{node_name(t)}", "replicated", target=t)
+        records.settle(files, targets)
+
+    def _failed(self, records: ReplicaRecords, peers: Peers, t: int, cid: str, f: str, e: Exception) -> None:
+        _, delay = self._retry_at.get(t, (0.0, BACKOFF_START_S / 2))
+        delay = min(BACKOFF_MAX_S, delay * 2)
+        self._retry_at[t] = (time.monotonic() + delay, delay)
+        records.report(f"{peers.node.rank}-{node_name(t)}", "retrying", str(e), target=t)
+        log.warning(
+            "replicating checkpoint %r (file %s) to %s failed, retrying in %.1f s: %s",
+            cid, f, node_name(t), delay, e,
+        )  # fmt: skip

@@ -1,0 +1,100 @@
+"""This process's part in replication when a job spans several nodes: its peer server, its replicator
+thread, and the job's peers (learned through the torch.distributed store).
+
+Started by ``MemStore`` once a process group exists and the job has more than one node; a single node
+needs none of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+import torch.distributed as dist
+
+from dcp_memstore.replication.auth import shared_secret
+from dcp_memstore.replication.peers import Peers, announce, announced_host, lookup
+from dcp_memstore.replication.placement import NodeInfo
+from dcp_memstore.replication.replicator import Replicator
+from dcp_memstore.replication.select import choose_transport
+from dcp_memstore.replication.server import CommitHandler, PeerServer
+from dcp_memstore.replication.tcp import TcpTransport
+from dcp_memstore.store.layout import StoreLayout
+
+log = logging.getLogger(__name__)
+
+
+def job_node_info() -> NodeInfo | None:
+    """This process's place in the job if torch.distributed is initialized (rank and world size from the
+    process group, node shape from torchrun's environment), else None."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    env = dict(os.environ, RANK=str(dist.get_rank()), WORLD_SIZE=str(dist.get_world_size()))
+    if "LOCAL_WORLD_SIZE" not in os.environ or int(env["LOCAL_WORLD_SIZE"]) > dist.get_world_size():
+        env.update(LOCAL_WORLD_SIZE=env["WORLD_SIZE"], LOCAL_RANK=env["RANK"], GROUP_RANK="0")
+    return NodeInfo.from_env(env)
+
+
+class ReplicationService:
+    """The peer server and replicator of one process of job ``job_id`` (see module docstring).
+
+    ``k``: replicas of each node's files (0: none; commits still reach every node). ``on_commit`` commits
+    a checkpoint on this node when the coordinator says so. ``timeout_s`` bounds the wait for other ranks
+    to announce their servers; ``io_timeout_s`` how long a peer may stay silent in a transfer."""
+
+    def __init__(
+        self,
+        layout: StoreLayout,
+        node: NodeInfo,
+        *,
+        k: int,
+        bind_host: str,
+        secret: bytes | str | None,
+        transport: str,
+        on_commit: CommitHandler,
+        timeout_s: float,
+        io_timeout_s: float,
+    ) -> None:
+        self.layout, self.node, self.k, self.timeout_s = layout, node, k, timeout_s
+        self._store: Any = dist.distributed_c10d._get_default_store()
+        self.secret = shared_secret(self._store, layout.job_id, node.rank, secret)
+        self.server = PeerServer(layout, layout.job_id, self.secret, bind_host, on_commit=on_commit)
+        host, port = self.server.address
+        announce(self._store, layout.job_id, node.rank, (announced_host(host), port))
+        self.control = TcpTransport(layout.job_id, self.secret, io_timeout_s)
+        self._peers: Peers | None = None
+        self._lock = threading.Lock()
+        self.replicator: Replicator | None = None
+        self._data = None
+        if k and node.multi_node:
+            self._data = choose_transport(layout.job_id, self.secret, transport, io_timeout_s)
+            self.replicator = Replicator(layout, self.peers, self._data)
+        log.info(
+            "replication: node %d of %d, rank %d serving on %s:%d, %d replica(s) per file",
+            node.node_rank, node.nnodes, node.rank, host, port, min(k, node.nnodes - 1),
+        )  # fmt: skip
+
+    def peers(self) -> Peers:
+        """The job's peers (waits, the first time, until every rank has announced its server)."""
+        with self._lock:
+            if self._peers is None:
+                addresses = lookup(self._store, self.layout.job_id, self.node.world_size, self.timeout_s)
+                self._peers = Peers(self.layout.job_id, self.node, self.k, self.secret, addresses)
+            return self._peers
+
+    def wake(self) -> None:
+        if self.replicator is not None:
+            self.replicator.wake()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop replicating and serving; transfers in flight are dropped (the peer keeps nothing partial)."""
+        if self.replicator is not None:
+            self.replicator.close(0)
+        for t in (self._data, self.control):
+            if t is not None:
+                t.close()
+        if self.replicator is not None:
+            self.replicator.close(timeout)
+        self.server.close(10.0 if timeout is None else timeout)

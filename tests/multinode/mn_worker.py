@@ -1,0 +1,149 @@
+"""A multi-node job for the replication tests, run by torchrun on every node of a namespace cluster.
+
+    save: checkpoint steps 1..N (``dcp.save``), each a DTensor sharded over all ranks (``Shard(0)``), a
+          replicated tensor and an int; optionally wait until replicated, wait for the test's go-ahead.
+    load: ``latest_checkpoint()``, then ``dcp.load`` into fresh tensors and compare bit for bit with what
+          that step saved (the world size may differ from the save's).
+
+Every event is one line ``@@mn {json}`` on stdout (the test reads the node logs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from dcp_memstore import MemoryStorageReader, MemoryStorageWriter, MemStore
+
+ROW = 1024  # floats per row: 4 KiB
+
+
+def emit(**event: object) -> None:
+    print("@@mn " + json.dumps({"rank": dist.get_rank(), **event}), flush=True)
+
+
+def global_weight(step: int, mib: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(mib * 256, ROW, generator=g)
+
+
+def state(step: int, mib: int, mesh) -> dict:
+    bias = torch.arange(1000, dtype=torch.float64) * step
+    return {"w": distribute_tensor(global_weight(step, mib), mesh, [Shard(0)]), "bias": bias, "step": step}
+
+
+def wait_for(path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout} s")
+        time.sleep(0.05)
+
+
+def save(args, store: MemStore, mesh) -> None:
+    for step in range(1, args.steps + 1):
+        cid = f"step-{step}"
+        dcp.save(state(step, args.mib, mesh), checkpoint_id=cid, storage_writer=MemoryStorageWriter(store))
+        emit(event="saved", step=step)
+        if args.watch:  # the link-down test: train on while replication struggles, report what status says
+            watch(store, cid, Path(args.tmp))
+        if args.wait_replicated:
+            st = store.wait_replicated(cid, timeout=60)
+            emit(event="replicated", step=step, replication=st.replication, replicas=st.replicas)
+    if args.serve_until:
+        svc = store.replication()
+        emit(event="serving", addr=list(svc.peers().server(svc.node.node_rank)))
+        wait_for(Path(args.tmp) / args.serve_until, 120)
+        st = store.status(f"step-{args.steps}")
+        emit(event="after-probe", replication=st.replication, listed=store.list_checkpoints())
+
+
+def watch(store: MemStore, cid: str, tmp: Path) -> None:
+    """Rank 0 trains (a small matmul per step) and reports every change of ``status(cid)`` until it is
+    replicated, then tells the other ranks; they wait without collectives."""
+    done = tmp / "replicated"
+    if dist.get_rank() != 0:
+        wait_for(done, 120)
+        return
+    x, steps, last = torch.randn(256, 256), 0, None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        x = torch.tanh(x @ x.T / 256)
+        steps += 1
+        st = store.status(cid)
+        now = (
+            st.replication,
+            st.replicas,
+            "replicate" in os.listdir(store.layout.checkpoint_dir(cid) / "holds"),
+        )
+        if now != last:
+            emit(event="status", steps=steps, replication=now[0], replicas=now[1], held=now[2])
+            last = now
+        if st.replicated:
+            break
+        time.sleep(0.05)
+    done.write_text("ok")
+
+
+def load(args, store: MemStore, mesh) -> None:
+    cid = store.latest_checkpoint()
+    emit(event="latest", checkpoint=cid, here=store.list_checkpoints())
+    if cid is None:
+        return
+    step = int(cid.split("-")[1])
+    expected = state(step, args.mib, mesh)
+    sd = {
+        "w": distribute_tensor(torch.zeros(args.mib * 256, ROW), mesh, [Shard(0)]),
+        "bias": torch.zeros(1000, dtype=torch.float64),
+        "step": -1,
+    }
+    dcp.load(sd, checkpoint_id=cid, storage_reader=MemoryStorageReader(store))
+    ok = (
+        torch.equal(sd["w"].to_local(), expected["w"].to_local())
+        and torch.equal(sd["bias"], expected["bias"])
+        and sd["step"] == step
+    )
+    emit(event="loaded", checkpoint=cid, ok=ok)
+    if args.wait_replicated:
+        for c in store.list_checkpoints():
+            st = store.wait_replicated(c, timeout=60)
+            emit(event="replicated", checkpoint=c, replication=st.replication, replicas=st.replicas)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("phase", choices=["save", "load"])
+    p.add_argument("--job", default="mn")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--mib", type=int, default=4, help="size of the sharded tensor (all ranks)")
+    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--keep", type=int, default=2)
+    p.add_argument("--tmp", default="/tmp")
+    p.add_argument("--wait-replicated", action="store_true")
+    p.add_argument("--watch", action="store_true")
+    p.add_argument("--serve-until", default=None, help="after saving, serve until this file appears in --tmp")
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    store = MemStore(
+        job_id=args.job, replicas=args.replicas, keep_in_memory=args.keep, replication_timeout_s=3
+    )
+    try:
+        (save if args.phase == "save" else load)(args, store, mesh)
+        dist.barrier()
+    finally:
+        store.close()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

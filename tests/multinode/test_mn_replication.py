@@ -1,0 +1,192 @@
+"""Replication across real "nodes" (network namespaces joined by veth, each with its own tmpfs root),
+torchrun with ``--nnodes`` across them: save, replicate, lose a node's memory, restore, reload with another
+world size, a peer cut off mid-replication, and requests from outside the job refused."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.netns import Cluster, torchrun_argv
+
+pytestmark = pytest.mark.slow
+
+WORKER = Path(__file__).with_name("mn_worker.py")
+REPO = WORKER.parents[2]
+JOB = "mn"
+TIMEOUT_S = 150.0
+
+# Run from a namespace outside the job: requests signed with a wrong secret, and bytes that are no frame.
+PROBE = """
+import json, socket, sys
+from pathlib import Path
+from dcp_memstore.replication.tcp import TcpTransport
+from dcp_memstore.replication.transport import ReplicationError
+from dcp_memstore.replication import wire
+peer = (sys.argv[1], int(sys.argv[2]))
+t = TcpTransport("mn", b"not the job's secret, 32 bytes!!", timeout_s=5)
+src = Path(sys.argv[3]); src.write_bytes(b"evil" * 100)
+attempts = {
+    "ping": lambda: t.ping(peer),
+    "stat": lambda: t.stat(peer, "step-2"),
+    "get": lambda: t.get_file(peer, "step-2", "__0_0.shard", src.with_name("stolen")),
+    "put": lambda: t.put_file(peer, "node9", "step-2", "__0_0.shard", src),
+    "commit": lambda: t.commit(peer, "step-9", {"seq": 9, "committed_at": 1.0, "nbytes": 0}, b"m"),
+}
+out = {}
+for name, call in attempts.items():
+    try:
+        call()
+        out[name] = "accepted"
+    except ReplicationError as e:
+        out[name] = e.code
+s = socket.create_connection(peer, timeout=5)
+s.sendall(b"GET /../../etc/passwd HTTP/1.0\\r\\n\\r\\n")
+out["garbage"] = wire.recv_header(s).get("code")
+print(json.dumps(out))
+"""
+
+
+def events(log: str) -> list[dict]:
+    return [json.loads(line.split("@@mn ", 1)[1]) for line in log.splitlines() if line.startswith("@@mn ")]
+
+
+def launch(cluster: Cluster, nodes: list[int], args: list, log_dir: Path, nproc: int = 1) -> list:
+    """torchrun on ``nodes`` of the cluster (a job of len(nodes) nodes, the first one hosting the
+    rendezvous); node i logs to ``log_dir/node<i>.log``."""
+    port = cluster.node(nodes[0]).free_port()
+    procs = []
+    for job_rank, i in enumerate(nodes):
+        node = cluster.node(i)
+        argv = torchrun_argv(job_rank, len(nodes), nproc, WORKER, args, cluster.node(nodes[0]).addr, port)
+        with open(log_dir / f"node{i}.log", "wb") as log:
+            env = node.env({"PYTHONPATH": str(REPO), "DCP_MEMSTORE_JOB_ID": JOB})
+            procs.append(node.popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
+def finish(procs: list, nodes: list[int], log_dir: Path) -> list[list[dict]]:
+    """Wait for the job; assert every node succeeded; return each node's events."""
+    deadline = time.monotonic() + TIMEOUT_S
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(max(1.0, deadline - time.monotonic()))
+    logs = [(log_dir / f"node{i}.log").read_text(errors="replace") for i in nodes]
+    detail = "\n".join(
+        f"--- node{i} (rc {p.returncode})\n{log[-5000:]}"
+        for i, p, log in zip(nodes, procs, logs, strict=True)
+    )
+    assert [p.returncode for p in procs] == [0] * len(nodes), detail
+    return [events(log) for log in logs]
+
+
+def run_job(
+    cluster: Cluster, nodes: list[int], args: list, log_dir: Path, nproc: int = 1
+) -> list[list[dict]]:
+    return finish(launch(cluster, nodes, args, log_dir, nproc), nodes, log_dir)
+
+
+def of(evs: list[dict], kind: str) -> list[dict]:
+    return [e for e in evs if e["event"] == kind]
+
+
+def checkpoint_files(root: Path, ckpt: str) -> dict[str, bytes]:
+    d = root / JOB / "checkpoints" / ckpt
+    return {p.name: p.read_bytes() for p in d.glob("__*")}
+
+
+def replica_files(root: Path, source: str, ckpt: str) -> dict[str, bytes]:
+    d = root / JOB / "replicas" / source / ckpt
+    return {p.name: p.read_bytes() for p in d.glob("__*")} if d.exists() else {}
+
+
+def wait_line(path: Path, needle: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while needle not in path.read_text(errors="replace"):
+        assert time.monotonic() < deadline, (
+            f"{needle!r} not in {path}:\n{path.read_text(errors='replace')[-4000:]}"
+        )
+        time.sleep(0.05)
+
+
+def test_three_nodes_replicate_lose_a_node_restore_and_refuse_outsiders(cluster3, tmp_path):
+    nodes = [0, 1, 2]
+    args = ["save", "--steps", 2, "--tmp", tmp_path, "--wait-replicated", "--serve-until", "probed"]
+    procs = launch(cluster3, nodes, args, tmp_path)
+    wait_line(tmp_path / "node0.log", '"serving"', TIMEOUT_S)
+    addr = next(e["addr"] for e in events((tmp_path / "node0.log").read_text()) if e["event"] == "serving")
+    outsider = cluster3.node(2).run(
+        [sys.executable, "-c", PROBE, addr[0], str(addr[1]), str(tmp_path / "evil")],
+        timeout=60,
+        env=cluster3.node(2).env({"PYTHONPATH": str(REPO)}),
+    )
+    (tmp_path / "probed").write_text("")
+    saved = finish(procs, nodes, tmp_path)
+
+    assert json.loads(outsider.stdout.strip().splitlines()[-1]) == {
+        "ping": "auth", "stat": "auth", "get": "auth", "put": "auth", "commit": "auth", "garbage": "bad_request",
+    }, outsider.stderr  # fmt: skip
+    for i, evs in enumerate(saved):
+        assert [e["replicas"] for e in of(evs, "replicated")] == [{f"node{(i + 1) % 3}": "replicated"}] * 2
+        (after,) = of(evs, "after-probe")  # the job saw nothing of the outsider
+        assert after == {**after, "replication": "replicated", "listed": ["step-1", "step-2"]}
+    assert not (cluster3.node(0).root / JOB / "replicas" / "node9").exists()
+    roots = [cluster3.node(i).root for i in nodes]
+    originals = [checkpoint_files(r, "step-2") for r in roots]
+    for i in nodes:  # node i's files, bit for bit, on node i+1
+        assert originals[i] and replica_files(roots[(i + 1) % 3], f"node{i}", "step-2") == originals[i]
+
+    cluster3.node(1).wipe_root()  # node 1 is replaced by an empty machine
+    loaded = run_job(cluster3, nodes, ["load", "--tmp", tmp_path, "--wait-replicated"], tmp_path)
+    for evs in loaded:
+        (latest,) = of(evs, "latest")
+        assert latest["checkpoint"] == "step-2"
+        assert of(evs, "loaded")[0]["ok"] is True
+        assert all(e["replication"] == "replicated" for e in of(evs, "replicated"))
+    assert of(loaded[1], "latest")[0]["here"] == ["step-2"]  # restored from node 2, then listed
+    assert checkpoint_files(roots[1], "step-2") == originals[1]
+    assert replica_files(roots[1], "node0", "step-2") == originals[0]  # what node 1 kept for node 0, again
+    assert replica_files(roots[2], "node1", "step-2") == originals[1]
+
+
+def test_reload_with_fewer_nodes_reads_from_other_nodes_memory(cluster3, tmp_path):
+    """Saved by 3 nodes, loaded by a job of nodes 0 and 1: every rank needs rows that node 1 or node 2's
+    rank wrote; node 2 is gone and its files are read from the replica node 0 keeps."""
+    run_job(cluster3, [0, 1, 2], ["save", "--steps", 1, "--mib", 6, "--wait-replicated"], tmp_path)
+    cluster3.node(2).wipe_root()
+    loaded = run_job(cluster3, [0, 1], ["load", "--mib", 6, "--wait-replicated"], tmp_path)
+    for evs in loaded:
+        assert of(evs, "latest")[0]["checkpoint"] == "step-1"
+        assert of(evs, "loaded")[0]["ok"] is True
+
+
+def test_peer_cut_off_during_replication_training_goes_on(cluster2, tmp_path):
+    """Node 0's uplink is throttled (tbf, 20 Mbit/s) so its 12 MiB take seconds to replicate; node 1's
+    link goes down in the middle and comes back. Node 0 keeps training, status says under-replicated
+    and retrying, the checkpoint stays held, and the replica completes after the link returns."""
+    n0, n1 = cluster2.node(0), cluster2.node(1)
+    n0.run(["tc", "qdisc", "replace", "dev", n0.ifname, "root", "tbf", "rate", "20mbit", "burst", "32kbit",
+            "latency", "400ms"], timeout=10, check=True)  # fmt: skip
+    procs = launch(
+        cluster2, [0, 1], ["save", "--steps", 1, "--mib", 24, "--tmp", tmp_path, "--watch"], tmp_path
+    )
+    wait_line(tmp_path / "node0.log", '"saved"', TIMEOUT_S)
+    n1.link_down()
+    wait_line(tmp_path / "node0.log", "retrying", 30)
+    time.sleep(1.0)
+    n1.link_up()
+    n0.run(["tc", "qdisc", "del", "dev", n0.ifname, "root"], timeout=10)
+    evs = finish(procs, [0, 1], tmp_path)[0]
+    states = of(evs, "status")
+    assert states[0]["replication"] == "under-replicated" and states[0]["held"]
+    retrying = [s for s in states if s["replicas"]["node1"].startswith("retrying")]
+    assert retrying and all(s["held"] for s in retrying), states
+    assert states[-1]["replication"] == "replicated" and not states[-1]["held"], states
+    assert states[-1]["steps"] > retrying[0]["steps"]  # training went on while the peer was away
+    assert replica_files(n1.root, "node0", "step-1") == checkpoint_files(n0.root, "step-1")
