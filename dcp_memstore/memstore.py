@@ -523,7 +523,7 @@ class MemStore:
             try:
                 transport.commit(addr, record.checkpoint_id, record.to_record(), manifest)
             except (ConnectionError, TimeoutError, OSError, RuntimeError) as e:
-                return f"node {node} ({format_peer(addr)}): {e}"
+                return f"node {node} ({format_peer(addr)}): {str(e).rstrip('.')}"
             return None
 
         errors = [e for e in run_parallel(commit_on, others, len(others), pool="commit") if e]

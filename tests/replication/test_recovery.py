@@ -1,0 +1,98 @@
+"""Recovery bookkeeping without a network: which checkpoints the cluster can still read, how replica
+records follow what targets hold, and a commit that cannot reach a node failing the save cleanly."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from dcp_memstore import CommitError, MemoryStorageWriter
+from dcp_memstore.replication.peers import Peers
+from dcp_memstore.replication.placement import NodeInfo
+from dcp_memstore.replication.recovery import inventory, readable, resync
+from dcp_memstore.replication.replicator import REPLICA_HOLD, ReplicaRecords, node_files, to
+from dcp_memstore.store import catalog
+
+SECRET = b"s" * 32
+
+
+def two_node_peers(port: int = 9) -> Peers:
+    """This process as node 0 of a 2-node job, replicating to node 1 (whose server is at ``port``)."""
+    node = NodeInfo(node_rank=0, nnodes=2, local_rank=0, local_world_size=1, rank=0, world_size=2)
+    return Peers("job", node, 1, SECRET, {0: ("127.0.0.1", port), 1: ("127.0.0.1", port)})
+
+
+def save(store, cid: str) -> None:
+    sd = {"a": torch.arange(4096, dtype=torch.float32), "b": torch.ones(3, 5), "n": 7}
+    dcp.save(sd, checkpoint_id=cid, storage_writer=MemoryStorageWriter(store), no_dist=True)
+
+
+def test_readable_needs_a_manifest_and_every_file_somewhere():
+    listed = {"__0_0.shard": 100, "__1_0.shard": 50}
+    node0 = {"committed": [["s1", 2.0, 1, 150, listed]], "own": {"s1": {"__0_0.shard": 100}}, "replicas": {}}
+    node1_lost = {"committed": [], "own": {}, "replicas": {}}  # node 1 came back empty
+    assert readable([node0, node1_lost]) == {}
+    node2 = {"committed": [], "own": {}, "replicas": {"node1": {"s1": {"__1_0.shard": 50}}}}
+    assert readable([node0, node1_lost, node2]) == {"s1": (2.0, 1, 150)}
+    short = {"committed": [], "own": {}, "replicas": {"node1": {"s1": {"__1_0.shard": 49}}}}
+    assert readable([node0, short]) == {}  # a truncated replica does not count
+    assert readable([node1_lost, node2]) == {}  # no manifest anywhere
+
+
+def test_inventory_lists_own_files_and_replicas(store):
+    save(store, "s1")
+    rdir = store.layout.replica_dir("node1", "s1")
+    rdir.mkdir(parents=True)
+    (rdir / "__1_0.shard").write_bytes(b"x" * 10)
+    (rdir / ".__1_1.shard.part-1-abcdef12").write_bytes(b"partial")  # a transfer in flight: not held
+    inv = inventory(store.layout)
+    ((cid, _, seq, _, listed),) = inv["committed"]
+    assert (cid, seq) == ("s1", 1) and set(listed) == set(inv["own"]["s1"])
+    assert inv["replicas"] == {"node1": {"s1": {"__1_0.shard": 10}}}
+
+
+def test_resync_acknowledges_what_the_target_holds_and_owes_what_it_lost(store):
+    save(store, "s1")
+    layout, peers = store.layout, two_node_peers()
+    files = node_files(layout, "s1")
+    assert files
+    held = {1: {"committed": [], "own": {}, "replicas": {"node0": {"s1": dict(files)}}}}
+    assert resync(layout, peers, held) == []
+    records = ReplicaRecords(layout, "s1")
+    assert records.done_files(to(1)) == set(files) and not records.owed()
+
+    lost_one = dict(files)
+    lost_name = sorted(lost_one)[0]
+    del lost_one[lost_name]
+    assert resync(
+        layout, peers, {1: {"committed": [], "own": {}, "replicas": {"node0": {"s1": lost_one}}}}
+    ) == ["s1"]
+    assert records.missing(files, 1) == {lost_name}
+    assert REPLICA_HOLD in catalog.holds(layout, "s1")  # kept in memory until sent again
+    assert catalog.evict(layout, keep=0) == [] and store.list_checkpoints() == ["s1"]
+    assert resync(layout, peers, {}) == []  # a target that reported nothing: records left alone
+    assert records.missing(files, 1) == {lost_name}
+
+
+def test_commit_that_cannot_reach_a_node_fails_the_save_and_keeps_the_previous(store):
+    save(store, "s1")
+    with socket.socket() as s:  # a port nothing listens on: the other node's server is unreachable
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # Fault injection: this single-process store is told it is node 0 of a 2-node job whose node 1 is
+    # unreachable (no real second node can be made unreachable at exactly the commit in one process).
+    store._peers = two_node_peers(port)
+    with pytest.raises(CheckpointException) as e:  # DCP wraps the coordinator's error
+        save(store, "s2")
+    (cause,) = [f[0] if isinstance(f, tuple) else f for f in e.value.failures.values()]
+    assert isinstance(cause, CommitError)
+    assert "'s2' was not committed: 1 of 1 other node(s) did not take the commit: node 1" in str(cause)
+    store._peers = None
+    assert store.list_checkpoints() == ["s1"] and store.latest_checkpoint() == "s1"
+    assert not store.layout.checkpoint_dir("s2").exists()
+    save(store, "s2")  # once the node is back, the same id saves
+    assert store.list_checkpoints() == ["s1", "s2"]
