@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import logging
 import os
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from dcp_memstore.store.records import write_atomic
 from dcp_memstore.store.threads import run_parallel
 
 log = logging.getLogger(__name__)
+_service_lock = threading.Lock()
 
 DEFAULT_ROOT = "/dev/shm/dcp_memstore"
 ENV_ROOT = "DCP_MEMSTORE_ROOT"
@@ -91,6 +93,17 @@ class CheckpointSource:
     @functools.cached_property
     def cluster(self) -> ClusterCheckpoint | None:
         return self._find_cluster() if self._find_cluster is not None else None
+
+
+def _request(
+    transport: TcpTransport, peers: Peers, node: int, phase: str, record: Any, manifest: bytes = b""
+) -> int | str:
+    """One commit phase on ``node`` (local rank 0's server): its next sequence number, or why it failed."""
+    addr = peers.server(node, 0)
+    try:
+        return transport.commit(addr, record.checkpoint_id, phase, record.to_record(), manifest)
+    except (ConnectionError, TimeoutError, OSError, RuntimeError) as e:
+        return f"node {node} ({format_peer(addr)}): {str(e).rstrip('.')}"
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -187,6 +200,11 @@ class MemStore:
         if not isinstance(transport, str) or transport.lower() not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {transport!r}")
         self.transport = transport.lower()
+        if self.transport == "rdma":
+            raise ValueError(
+                "transport='rdma': RDMA data transfer is not in this release (the device is only probed); "
+                "use transport='auto' (TCP, saying why RDMA was not used) or 'tcp'"
+            )
         self._secret = None if replication_secret is None else check_secret(replication_secret)
         self.replication_bind = replication_bind
         if not replication_timeout_s > 0:
@@ -219,6 +237,7 @@ class MemStore:
         self._control_transport: TcpTransport | None = None
         self._peers: Peers | None = None  # what a copy of this store in DCP's checkpoint process knows
         self._single_node = False
+        self._is_copy = False  # a copy in DCP's checkpoint process: never starts replication services
         self.replication()
 
     # -- queries ---------------------------------------------------------------------------------------
@@ -267,9 +286,13 @@ class MemStore:
         common = set.intersection(*({rec[0] for rec in v[0]} | set(in_memory) for v in views))
         newest = max(((*known[cid], cid) for cid in common), default=None)
         if service is not None:
-            if reports_node:
-                self._repair(service, newest[2] if newest else None, in_memory, inventories)
-            dist.barrier(process_group)  # the node's other ranks load only once it is restored
+            try:
+                if reports_node:
+                    self._repair(service, newest[2] if newest else None, in_memory, inventories)
+            except Exception:  # noqa: BLE001 - the other ranks wait in the barrier; reads fetch per file
+                log.exception("repairing this node's copy of %r failed", newest[2] if newest else None)
+            finally:
+                dist.barrier(process_group)  # the node's other ranks load only once it is restored
         return newest[2] if newest else None
 
     def _repair(
@@ -473,9 +496,13 @@ class MemStore:
         """This process's replication service: started on the first call after ``init_process_group`` in
         a job that spans several nodes (the constructor, a save or ``latest_checkpoint`` make that call);
         None on a single node, before the process group exists, and in DCP's checkpoint process."""
-        if self._service is None and not (self._single_node or self._peers is not None or self._closed):
+        if self._service is not None or self._single_node or self._is_copy or self._closed:
+            return self._service
+        with _service_lock:
             node = job_node_info()
-            if node is not None and not node.multi_node:
+            if self._service is not None:
+                pass
+            elif node is not None and not node.multi_node:
                 self._single_node = True
             elif node is not None:
                 self._service = ReplicationService(
@@ -488,6 +515,7 @@ class MemStore:
                     on_commit=self._commit_here,
                     timeout_s=self.stage_timeout_s,
                     io_timeout_s=self.replication_timeout_s,
+                    keep=self.keep_in_memory,
                 )
         return self._service
 
@@ -509,52 +537,85 @@ class MemStore:
         node = self._service.node if self._service is not None else self._peers.node if self._peers else None
         return bool(self.replicas) and node is not None and node.multi_node
 
-    def commit_everywhere(self, record: catalog.CommitRecord, manifest: bytes) -> None:
-        """Called by the coordinator before it commits: commit the checkpoint on every other node (its
-        manifest and ``record``), in parallel. Raises CommitError naming the nodes that did not take it."""
+    def prepare_everywhere(self, record: catalog.CommitRecord, manifest: bytes) -> catalog.CommitRecord:
+        """Called by the coordinator before it commits: hand the checkpoint's manifest to every other node
+        (nothing becomes visible there yet) and return ``record`` with the sequence number every node
+        agrees on (the highest any node would give next). If a node does not take it, abort it on all
+        and raise CommitError naming the nodes."""
+        control = self._control()
+        if control is None:
+            return record
+        peers, transport = control
+        others = peers.other_nodes()
+        replies = run_parallel(
+            lambda n: _request(transport, peers, n, "prepare", record, manifest),
+            others,
+            len(others),
+            pool="commit",
+        )
+        errors = [r for r in replies if isinstance(r, str)]
+        if errors:
+            run_parallel(
+                lambda n: _request(transport, peers, n, "abort", record), others, len(others), pool="commit"
+            )
+            raise CommitError(
+                f"checkpoint {record.checkpoint_id!r} was not committed: {len(errors)} of {len(others)} "
+                f"other node(s) did not take it: {'; '.join(errors)}. The previous checkpoint stays the "
+                "newest; save again once every node is reachable"
+            )
+        return dataclasses.replace(record, seq=max([record.seq, *replies]))
+
+    def commit_everywhere(self, record: catalog.CommitRecord) -> None:
+        """Called by the coordinator once it committed: commit on every other node (prepared before).
+        A node that misses it keeps its part uncommitted (logged); that node then cannot serve it."""
         control = self._control()
         if control is None:
             return
         peers, transport = control
         others = peers.other_nodes()
+        for err in run_parallel(
+            lambda n: _request(transport, peers, n, "commit", record), others, len(others), pool="commit"
+        ):
+            if isinstance(err, str):
+                log.warning("checkpoint %r committed, but not on %s", record.checkpoint_id, err)
 
-        def commit_on(node: int) -> str | None:
-            addr = peers.server(node, 0)
-            try:
-                transport.commit(addr, record.checkpoint_id, record.to_record(), manifest)
-            except (ConnectionError, TimeoutError, OSError, RuntimeError) as e:
-                return f"node {node} ({format_peer(addr)}): {str(e).rstrip('.')}"
-            return None
-
-        errors = [e for e in run_parallel(commit_on, others, len(others), pool="commit") if e]
-        if errors:
-            raise CommitError(
-                f"checkpoint {record.checkpoint_id!r} was not committed: {len(errors)} of {len(others)} "
-                f"other node(s) did not take the commit: {'; '.join(errors)}. The previous checkpoint stays "
-                "the newest; save again once every node is reachable"
-            )
-
-    def _commit_here(self, checkpoint_id: str, record: dict, manifest: bytes) -> None:
-        """The peer server's commit handler: the coordinator committed ``checkpoint_id``; commit this node's
-        part of it (the files its ranks wrote) with the coordinator's manifest and record."""
+    def _commit_here(self, checkpoint_id: str, phase: str, record: dict, manifest: bytes) -> int:
+        """The peer server's commit handler, on a node other than the coordinator's: ``prepare`` checks
+        and stores the manifest of a checkpoint this node's ranks wrote part of, ``commit`` makes it
+        visible with the coordinator's record and applies retention, ``abort`` discards it. Returns this
+        node's next sequence number."""
         cid = validate_name(checkpoint_id)
+        directory = self.layout.checkpoint_dir(cid)
         done = catalog.read_commit(self.layout, cid)
-        if done is not None:
-            if (done.seq, done.committed_at) == (record["seq"], record["committed_at"]):
-                return  # the same commit again (a retried request)
-            raise ValueError(f"checkpoint {cid!r} is already committed on this node by another save")
-        directory = catalog.join(self.layout, cid)
-        write_atomic(directory / MANIFEST, manifest)
-        self.prepare_commit(cid, record["seq"])
-        catalog.commit(
-            self.layout, cid, record["nbytes"], seq=record["seq"], committed_at=record["committed_at"]
-        )
-        self.after_commit()
+        if phase == "abort":
+            if done is None:
+                catalog.discard(self.layout, directory)
+        elif done is not None:
+            if (done.seq, done.committed_at) != (record["seq"], record["committed_at"]):
+                raise ValueError(f"checkpoint {cid!r} is already committed on this node by another save")
+        elif phase == "prepare":
+            if not directory.is_dir():
+                raise ValueError(f"no rank of this node wrote checkpoint {cid!r}")
+            Manifest.decode(
+                manifest, cid
+            )  # refuses a malformed one, or one naming files outside the checkpoint
+            write_atomic(directory / MANIFEST, manifest)
+        else:  # commit
+            if not (directory / MANIFEST).exists():
+                raise ValueError(f"checkpoint {cid!r} was not prepared on this node")
+            self.prepare_commit(cid, record["seq"])
+            catalog.commit(
+                self.layout, cid, record["nbytes"], seq=record["seq"], committed_at=record["committed_at"]
+            )
+            self.after_commit()
+        return catalog.next_seq(self.layout)
 
     def after_commit(self) -> None:
         """Retention after a commit on this node: evict beyond ``keep_in_memory`` (with the replicas and
-        fetched files of evicted checkpoints), trim the pools of reusable files, wake the replicator."""
+        fetched files of evicted checkpoints, and those of checkpoints this node no longer has), trim the
+        pools of reusable files, wake the replicator."""
         catalog.evict(self.layout, self.keep_in_memory)
+        catalog.drop_stale_copies(self.layout)
         with contextlib.suppress(FileNotFoundError):
             for e in os.scandir(self.layout.pools_dir):
                 if e.name.startswith("rank") and e.name[4:].isdigit():
@@ -614,6 +675,7 @@ class MemStore:
     def delete(self, checkpoint_id: str) -> None:
         """Remove a committed checkpoint from this node's store (a persisted copy stays where it is)."""
         catalog.discard(self.layout, self.require_checkpoint(checkpoint_id))
+        catalog.drop_copies(self.layout, validate_name(checkpoint_id))
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
@@ -662,8 +724,10 @@ class MemStore:
         state = dict(self.__dict__)
         state["_persister"] = None  # the persister thread stays in the process that made the store
         # so do the replication threads and server; the copy commits and reads with what they learned
-        state["_peers"] = self._service.peers() if self._service is not None else self._peers
+        service = self.replication()  # in the training process: the copy must not start its own
+        state["_peers"] = service.peers() if service is not None else self._peers
         state["_service"] = None
+        state["_is_copy"] = True
         state["_control_transport"] = None
         return state
 

@@ -125,16 +125,26 @@ class MemoryStorageReader(StorageReader):
             except (FileNotFoundError, ChecksumMismatchError) as e:
                 error = e
         if src.cluster is not None and src.cluster.has(file):
-            try:
-                src.fetch_dir.mkdir(parents=True, exist_ok=True)
-                if not (src.fetch_dir / file).exists():
-                    src.cluster.fetch(file, src.fetch_dir / file)
+            # this node's own copy failed already: fetch from the others, and from the next holder when
+            # a fetched copy fails its item checksums (the transfer checksum only proves the transfer)
+            tried = {src.cluster.own_copy} if error is not None else set()
+            dest = src.fetch_dir / file
+            src.fetch_dir.mkdir(parents=True, exist_ok=True)
+            while True:
+                try:
+                    if not dest.exists():
+                        tried.add(src.cluster.fetch(file, dest, tried))
+                    result = self._read_file(src.fetch_dir, reads)
+                except ChecksumMismatchError as e:
+                    dest.unlink(missing_ok=True)
+                    error = e
+                    continue
+                except FileNotFoundError as e:
+                    error = e
+                    break
                 if error is not None:
                     log.warning("%s; read it from another node's memory instead", error)
-                return self._read_file(src.fetch_dir, reads)
-            except (FileNotFoundError, ChecksumMismatchError) as e:
-                (src.fetch_dir / file).unlink(missing_ok=True)
-                error = e
+                return result
         if src.remote is None:
             if error is None:
                 raise FileNotFoundError(f"file {file} of checkpoint {src.checkpoint_id!r} is in no tier")

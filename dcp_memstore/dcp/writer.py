@@ -226,16 +226,17 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         manifest.write(directory / MANIFEST)
         crash_point("before-commit", self.rank)
         record = CommitRecord(self.checkpoint_id, catalog.next_seq(layout), time.time(), manifest.nbytes)
-        self.store.prepare_commit(self.checkpoint_id, record.seq)
-        try:
-            self.store.commit_everywhere(record, (directory / MANIFEST).read_bytes())
+        try:  # other nodes: prepared (invisible) first, committed only after this node commits
+            record = self.store.prepare_everywhere(record, (directory / MANIFEST).read_bytes())
         except BaseException:
             catalog.discard(layout, directory)
             raise
+        self.store.prepare_commit(self.checkpoint_id, record.seq)
         catalog.commit(
             layout, self.checkpoint_id, manifest.nbytes, seq=record.seq, committed_at=record.committed_at
         )
         crash_point("after-commit", self.rank)
+        self.store.commit_everywhere(record)
         self.store.after_commit()
         catalog.clear_abandoned(layout, before=self._save_started)
 

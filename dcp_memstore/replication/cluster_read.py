@@ -10,6 +10,7 @@ against the manifest when read.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from pathlib import Path
 
 from dcp_memstore.replication.peers import Peers
@@ -77,14 +78,24 @@ class ClusterCheckpoint:
     def has(self, file: str) -> bool:
         return file in self.holders
 
-    def fetch(self, file: str, dest: Path) -> Path:
-        """Fetch ``file`` from the nearest node that holds it into ``dest`` (appears once verified)."""
+    @property
+    def own_copy(self) -> tuple[int, None]:
+        """The holder entry of this node's own copy (to skip when that copy is the one that failed)."""
+        return (self.peers.node.node_rank, None)
+
+    def fetch(
+        self, file: str, dest: Path, exclude: Collection[tuple[int, str | None]] = ()
+    ) -> tuple[int, str | None]:
+        """Fetch ``file`` into ``dest`` (it appears once its transfer checksum matched) from the nearest
+        node that holds it, skipping the holders in ``exclude``; return the holder used."""
         errors = []
         for node, source in self.holders.get(file, []):
+            if (node, source) in exclude:
+                continue
             addr = self.peers.server(node)
             try:
                 self.transport.get_file(addr, self.checkpoint_id, file, dest, source)
-                return dest
+                return (node, source)
             except (ConnectionError, TimeoutError, OSError, RuntimeError) as e:
                 errors.append(f"{format_peer(addr)}: {e}")
         raise FileNotFoundError(

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 
 from dcp_memstore.replication.peers import Peers, node_name
-from dcp_memstore.replication.transport import ReplicationError, Transport
+from dcp_memstore.replication.transport import Transport
 from dcp_memstore.store import catalog
 from dcp_memstore.store.layout import MANIFEST, StoreLayout, file_rank
 from dcp_memstore.store.manifest import Manifest
@@ -58,8 +58,8 @@ class ReplicaRecords(TierProgress):
         return set(files) - self.done_files(to(target))
 
     def settle(self, files: dict[str, int], targets: list[int]) -> bool:
-        """Release the hold if every file reached every target; return whether it did."""
-        if any(self.missing(files, t) for t in targets):
+        """Release the hold if every file reached every target; return whether it released one."""
+        if not self.owed() or any(self.missing(files, t) for t in targets):
             return False
         catalog.release(self.layout, self.checkpoint_id, REPLICA_HOLD)
         return True
@@ -116,8 +116,10 @@ class Replicator:
     ``peers`` is called (in the thread) to get the job's ``Peers``; it may block until every rank has
     announced its server."""
 
-    def __init__(self, layout: StoreLayout, peers: Callable[[], Peers], transport: Transport) -> None:
-        self.layout, self._peers, self.transport = layout, peers, transport
+    def __init__(
+        self, layout: StoreLayout, peers: Callable[[], Peers], transport: Transport, keep: int
+    ) -> None:
+        self.layout, self._peers, self.transport, self.keep = layout, peers, transport, keep
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._retry_at: dict[int, tuple[float, float]] = {}  # target -> (next attempt, current backoff)
@@ -170,7 +172,7 @@ class Replicator:
                     )
                 except FileNotFoundError:
                     return  # evicted or deleted meanwhile
-                except (ConnectionError, TimeoutError, ReplicationError, OSError) as e:
+                except Exception as e:  # noqa: BLE001 - any failure: this peer is retried later
                     self._failed(records, peers, t, cid, f, e)
                     break
                 records.mark_done(f, to(t))
@@ -183,7 +185,8 @@ class Replicator:
             else:
                 if mine:
                     records.report(f"{peers.node.rank}-{node_name(t)}", "replicated", target=t)
-        records.settle(files, targets)
+        if records.settle(files, targets):
+            catalog.evict(self.layout, self.keep)  # it may have been kept past its turn only for this
 
     def _failed(self, records: ReplicaRecords, peers: Peers, t: int, cid: str, f: str, e: Exception) -> None:
         _, delay = self._retry_at.get(t, (0.0, BACKOFF_START_S / 2))

@@ -8,8 +8,9 @@ payloads; nothing unpickled), and only touches paths under its own root and job:
     <root>/<job>/replicas/<source-node>/<checkpoint>/<file>       replicas it keeps for other nodes
 
 A node's own files are served only once their checkpoint is committed there. The ``commit`` op (the
-coordinator telling this node that a checkpoint is complete, with its manifest) is handed to the store's
-``on_commit`` callback; a server without one refuses it.
+coordinator preparing, committing or aborting a checkpoint on this node; a prepare carries the manifest,
+whose SHA-256 the signed header names) is handed to the store's ``on_commit`` callback; a server without
+one refuses it.
 
 where every component a peer names is checked with ``validate_name`` (no separators, no '..', no hidden
 names). A received file is size-capped, checked against the free memory, allocated in full before its
@@ -23,6 +24,7 @@ reply closes the connection; a refused request has touched nothing.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import socket
@@ -49,8 +51,9 @@ DEFAULT_MAX_FILE_BYTES = 1 << 40
 DEFAULT_MAX_CONNECTIONS = 64
 DEFAULT_IO_TIMEOUT_S = 60.0
 MAX_MANIFEST_BYTES = 1 << 30
-# on_commit(checkpoint, {"seq", "committed_at", "nbytes"}, manifest bytes): commit it on this node
-CommitHandler = Callable[[str, dict, bytes], None]
+COMMIT_PHASES = ("prepare", "commit", "abort")
+# on_commit(checkpoint, phase, {"seq", "committed_at", "nbytes"}, manifest bytes) -> this node's next seq
+CommitHandler = Callable[[str, str, dict, bytes], int]
 _DRAIN_BYTES = 1 << 20  # read at most this much of a refused request's leftovers, so the reply is not lost
 _DRAIN_S = 1.0
 
@@ -347,24 +350,27 @@ class PeerServer:
 
     def _op_commit(self, conn: socket.socket, header: dict, nonce: bytes) -> None:
         checkpoint = _name(header["checkpoint"], "checkpoint id")
-        size = header["size"]
+        phase, size = header["phase"], header["size"]
         if self.on_commit is None:
             raise _Refusal("bad_request", "this server does not take commits (it serves no store)")
-        if size > min(self.max_file_bytes, MAX_MANIFEST_BYTES):
-            raise _Refusal("too_large", f"a manifest of {size} bytes exceeds this server's limit")
+        if phase not in COMMIT_PHASES:
+            raise _Refusal("bad_request", f"unknown commit phase {phase!r}; expected one of {COMMIT_PHASES}")
+        if size > min(self.max_file_bytes, MAX_MANIFEST_BYTES) or (size and phase != "prepare"):
+            raise _Refusal("too_large", f"a {phase} request with {size} bytes of payload is not accepted")
         manifest = bytearray(size)
-        self._reply(conn, nonce, {})
-        actual = wire.recv_payload(conn, memoryview(manifest))
-        if actual != wire.recv_trailer(conn):
-            raise _Refusal(
-                "checksum", f"the manifest of checkpoint {checkpoint} arrived corrupt; send it again"
-            )
+        if size:
+            self._reply(conn, nonce, {"next_seq": 0})  # go ahead: send the manifest
+            actual = wire.recv_payload(conn, memoryview(manifest))
+            if actual != wire.recv_trailer(conn) or hashlib.sha256(manifest).digest() != header["digest"]:
+                raise _Refusal(
+                    "checksum", f"the manifest of checkpoint {checkpoint} arrived corrupt or altered"
+                )
         record = {k: header[k] for k in ("seq", "committed_at", "nbytes")}
         try:
-            self.on_commit(checkpoint, record, bytes(manifest))
+            next_seq = self.on_commit(checkpoint, phase, record, bytes(manifest))
         except (OSError, ValueError) as e:
-            raise _Refusal("io_error", f"cannot commit checkpoint {checkpoint} on this node: {e}") from None
-        self._reply(conn, nonce, {})
+            raise _Refusal("io_error", f"cannot {phase} checkpoint {checkpoint} on this node: {e}") from None
+        self._reply(conn, nonce, {"next_seq": next_seq})
 
 
 def _listen(host: str, port: int) -> socket.socket:

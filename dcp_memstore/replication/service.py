@@ -42,7 +42,8 @@ class ReplicationService:
 
     ``k``: replicas of each node's files (0: none; commits still reach every node). ``on_commit`` commits
     a checkpoint on this node when the coordinator says so. ``timeout_s`` bounds the wait for other ranks
-    to announce their servers; ``io_timeout_s`` how long a peer may stay silent in a transfer."""
+    to announce their servers; ``io_timeout_s`` how long a peer may stay silent in a transfer; ``keep`` the
+    store's ``keep_in_memory`` (a checkpoint whose replicas are done is evicted if it is past its turn)."""
 
     def __init__(
         self,
@@ -56,21 +57,21 @@ class ReplicationService:
         on_commit: CommitHandler,
         timeout_s: float,
         io_timeout_s: float,
+        keep: int,
     ) -> None:
         self.layout, self.node, self.k, self.timeout_s = layout, node, k, timeout_s
         self._store: Any = dist.distributed_c10d._get_default_store()
         self.secret = shared_secret(self._store, layout.job_id, node.rank, secret)
-        self.server = PeerServer(layout, layout.job_id, self.secret, bind_host, on_commit=on_commit)
-        host, port = self.server.address
-        announce(self._store, layout.job_id, node.rank, (announced_host(host), port))
-        self.control = TcpTransport(layout.job_id, self.secret, io_timeout_s)
         self._peers: Peers | None = None
         self._lock = threading.Lock()
         self.replicator: Replicator | None = None
-        self._data = None
+        self.control = TcpTransport(layout.job_id, self.secret, io_timeout_s)
+        self._data = choose_transport(layout.job_id, self.secret, transport, io_timeout_s) if k else None
+        self.server = PeerServer(layout, layout.job_id, self.secret, bind_host, on_commit=on_commit)
+        host, port = self.server.address
+        announce(self._store, layout.job_id, node.rank, (announced_host(host), port))
         if k and node.multi_node:
-            self._data = choose_transport(layout.job_id, self.secret, transport, io_timeout_s)
-            self.replicator = Replicator(layout, self.peers, self._data)
+            self.replicator = Replicator(layout, self.peers, self._data, keep)
         log.info(
             "replication: node %d of %d, rank %d serving on %s:%d, %d replica(s) per file",
             node.node_rank, node.nnodes, node.rank, host, port, min(k, node.nnodes - 1),

@@ -13,6 +13,7 @@ Errors name the peer and what was being done: ConnectionError (unreachable, conn
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import socket
 import threading
 import time
@@ -190,21 +191,29 @@ class TcpTransport(Transport):
                 )
             self._receive(call, out)
 
-    def commit(self, peer_addr: PeerAddress, checkpoint: str, record: dict, manifest: bytes) -> None:
-        """Tell the peer's node that checkpoint ``checkpoint`` is committed: send its manifest and commit
-        record (``seq``, ``committed_at``, ``nbytes``); returns once the peer has committed it."""
+    def commit(
+        self, peer_addr: PeerAddress, checkpoint: str, phase: str, record: dict, manifest: bytes = b""
+    ) -> int:
+        """One phase of committing checkpoint ``checkpoint`` on the peer's node: ``prepare`` (sends the
+        manifest; nothing becomes visible), ``commit`` (with the final ``record``: ``seq``,
+        ``committed_at``, ``nbytes``) or ``abort``. Returns the sequence number the peer's node would give
+        its next checkpoint."""
         checkpoint = validate_name(checkpoint, "checkpoint id")
-        with self._call(peer_addr, f"committing checkpoint {checkpoint}") as call:
+        with self._call(peer_addr, f"{phase} of checkpoint {checkpoint}") as call:
             fields = {
                 "checkpoint": checkpoint,
+                "phase": phase,
                 "seq": int(record["seq"]),
                 "committed_at": float(record["committed_at"]),
                 "nbytes": int(record["nbytes"]),
                 "size": len(manifest),
+                "digest": hashlib.sha256(manifest).digest() if manifest else b"",
             }
-            nonce, _ = call.request("commit", fields)
-            call.run(wire.send_trailer, call.run(wire.send_payload, memoryview(manifest)))
-            call.reply("commit", nonce)
+            nonce, reply = call.request("commit", fields)
+            if manifest:
+                call.run(wire.send_trailer, call.run(wire.send_payload, memoryview(manifest)))
+                reply = call.reply("commit", nonce)
+        return reply["next_seq"]
 
     def stat(self, peer_addr: PeerAddress, checkpoint: str) -> dict:
         checkpoint = validate_name(checkpoint, "checkpoint id")

@@ -17,8 +17,10 @@ Conversations (one or more per connection; every request is authenticated, see `
     put:  request {source, checkpoint, file, size}        -> reply (go-ahead or refusal)
           payload, trailer                                -> reply (stored, or refused: checksum, ...)
     get:  request {checkpoint, file, source, offset, length} -> reply {size}, payload, trailer
-    commit: request {checkpoint, seq, committed_at, nbytes, size}, payload (the manifest), trailer
-                                                          -> reply (committed on the peer's node, or refused)
+    commit: request {checkpoint, phase, seq, committed_at, nbytes, size, digest}, payload, trailer
+                                                          -> reply {next_seq}
+            phase "prepare" carries the manifest (``digest``: its SHA-256, covered by the request's MAC);
+            "commit" and "abort" carry no payload (size 0).
 
 The ``put`` go-ahead costs one round trip per file, and in exchange a refused file (no space, too large,
 bad name, unauthenticated) is refused before any of its bytes travel.
@@ -122,7 +124,15 @@ REQUESTS: dict[str, dict[str, Callable[[Any], bool]]] = {
         "offset": _uint,
         "length": _optional(_uint),
     },
-    "commit": {"checkpoint": _str, "seq": _uint, "committed_at": _float, "nbytes": _uint, "size": _uint},
+    "commit": {
+        "checkpoint": _str,
+        "phase": _str,
+        "seq": _uint,
+        "committed_at": _float,
+        "nbytes": _uint,
+        "size": _uint,
+        "digest": _bytes,
+    },
 }
 
 # Fields of a successful reply, by op, besides "ok", "re" (the request's nonce) and "mac".
@@ -131,7 +141,7 @@ REPLIES: dict[str, dict[str, Callable[[Any], bool]]] = {
     "stat": {"own": _file_sizes, "committed": _bool, "replicas": _replica_files},
     "put": {},
     "get": {"size": _uint},
-    "commit": {},
+    "commit": {"next_seq": _uint},
 }
 
 _TRAILER = {"op": _str, "checksum": _uint}

@@ -201,6 +201,26 @@ def drop_copies(layout: StoreLayout, checkpoint_id: str) -> None:
     shutil.rmtree(layout.fetched_dir(checkpoint_id), ignore_errors=True)
 
 
+STALE_COPY_S = 300.0
+
+
+def drop_stale_copies(layout: StoreLayout, older_than_s: float = STALE_COPY_S) -> None:
+    """Delete replicas and fetched files of checkpoints this node no longer has committed, once untouched
+    for ``older_than_s`` (younger ones may belong to a save that is being committed right now)."""
+    have = {r.checkpoint_id for r in committed(layout)}
+    horizon = time.time() - older_than_s
+    dirs = []
+    with contextlib.suppress(FileNotFoundError):
+        for src in os.scandir(layout.replicas_dir):
+            dirs += list(os.scandir(src.path)) if src.is_dir() else []
+    with contextlib.suppress(FileNotFoundError):
+        dirs += list(os.scandir(layout.fetches_dir))
+    for d in dirs:
+        with contextlib.suppress(FileNotFoundError):
+            if d.name not in have and d.stat().st_mtime < horizon:
+                shutil.rmtree(d.path, ignore_errors=True)
+
+
 def evict(layout: StoreLayout, keep: int) -> list[str]:
     """Evict all but the ``keep`` newest committed checkpoints, except those held (see ``hold``)."""
     recs = committed(layout)

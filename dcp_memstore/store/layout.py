@@ -106,9 +106,13 @@ class StoreLayout:
         """This node's replica of checkpoint ``checkpoint_id`` of node ``source_node``."""
         return self.replicas_dir / source_node / checkpoint_id
 
+    @property
+    def fetches_dir(self) -> Path:
+        return self.job_dir / "fetched"
+
     def fetched_dir(self, checkpoint_id: str) -> Path:
         """Files of checkpoint ``checkpoint_id`` fetched from other nodes' memory to be read on this one."""
-        return self.job_dir / "fetched" / checkpoint_id
+        return self.fetches_dir / checkpoint_id
 
     def pool_dir(self, rank: int) -> Path:
         return self.job_dir / "pool" / f"rank{rank}"

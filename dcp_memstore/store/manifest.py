@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from dcp_memstore.store.checksum import ALGORITHM
-from dcp_memstore.store.records import read_record, write_record
+from dcp_memstore.store.ids import validate_file_name
+from dcp_memstore.store.records import decode_record, read_record, write_record
 
 FORMAT_VERSION = 1
 
@@ -111,6 +112,20 @@ class Manifest:
 
     def write(self, path: Path) -> None:
         write_record(path, self.to_record())
+
+    @classmethod
+    def decode(cls, data: bytes, checkpoint_id: str) -> Manifest:
+        """The manifest of checkpoint ``checkpoint_id`` from bytes received from a peer; ValueError if it
+        is malformed, of another checkpoint, or names a file that is not a plain name in the checkpoint."""
+        try:
+            m = cls.from_record(decode_record(data, f"the manifest of {checkpoint_id}"))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"the manifest of {checkpoint_id} is malformed: {e}") from e
+        if m.checkpoint_id != checkpoint_id:
+            raise ValueError(f"the manifest is of checkpoint {m.checkpoint_id!r}, not {checkpoint_id!r}")
+        for f in m.files:
+            validate_file_name(f)
+        return m
 
     @classmethod
     def read(cls, path: Path) -> Manifest:

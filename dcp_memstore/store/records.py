@@ -42,7 +42,12 @@ def read_record(path: Path, max_bytes: int = MAX_RECORD_BYTES) -> Any:
         if size > max_bytes:
             raise ValueError(f"{path} is {size} bytes, more than the {max_bytes} allowed for a record")
         data = f.read()
+    return decode_record(data, str(path))
+
+
+def decode_record(data: bytes, what: str = "data") -> Any:
+    """Decode a msgpack record (pickle-free); ValueError naming ``what`` if it is malformed."""
     try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=False, max_bin_len=max_bytes)
+        return msgpack.unpackb(data, raw=False, strict_map_key=False, max_bin_len=MAX_RECORD_BYTES)
     except Exception as e:  # msgpack raises several unrelated types for bad input
-        raise ValueError(f"{path} is not a valid dcp_memstore record: {e}") from e
+        raise ValueError(f"{what} is not a valid dcp_memstore record: {e}") from e

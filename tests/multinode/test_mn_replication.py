@@ -37,7 +37,7 @@ attempts = {
     "stat": lambda: t.stat(peer, "step-2"),
     "get": lambda: t.get_file(peer, "step-2", "__0_0.shard", src.with_name("stolen")),
     "put": lambda: t.put_file(peer, "node9", "step-2", "__0_0.shard", src),
-    "commit": lambda: t.commit(peer, "step-9", {"seq": 9, "committed_at": 1.0, "nbytes": 0}, b"m"),
+    "commit": lambda: t.commit(peer, "step-9", "prepare", {"seq": 9, "committed_at": 1.0, "nbytes": 0}, b"m"),
 }
 out = {}
 for name, call in attempts.items():
@@ -129,6 +129,7 @@ def test_three_nodes_replicate_lose_a_node_restore_and_refuse_outsiders(cluster3
     (tmp_path / "probed").write_text("")
     saved = finish(procs, nodes, tmp_path)
 
+    assert outsider.returncode == 0, outsider.stderr
     assert json.loads(outsider.stdout.strip().splitlines()[-1]) == {
         "ping": "auth", "stat": "auth", "get": "auth", "put": "auth", "commit": "auth", "garbage": "bad_request",
     }, outsider.stderr  # fmt: skip
@@ -157,9 +158,16 @@ def test_three_nodes_replicate_lose_a_node_restore_and_refuse_outsiders(cluster3
 
 def test_reload_with_fewer_nodes_reads_from_other_nodes_memory(cluster3, tmp_path):
     """Saved by 3 nodes, loaded by a job of nodes 0 and 1: every rank needs rows that node 1 or node 2's
-    rank wrote; node 2 is gone and its files are read from the replica node 0 keeps."""
+    rank wrote; node 2 is gone and its files are read from the replica node 0 keeps. Node 0's own file
+    is corrupt (one flipped byte): its items are read from the replica node 1 keeps instead."""
     run_job(cluster3, [0, 1, 2], ["save", "--steps", 1, "--mib", 6, "--wait-replicated"], tmp_path)
     cluster3.node(2).wipe_root()
+    shard = cluster3.node(0).root / JOB / "checkpoints" / "step-1" / "__0_0.shard"
+    with open(shard, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
     loaded = run_job(cluster3, [0, 1], ["load", "--mib", 6, "--wait-replicated"], tmp_path)
     for evs in loaded:
         assert of(evs, "latest")[0]["checkpoint"] == "step-1"

@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_memstore import CommitError, MemoryStorageWriter
+from dcp_memstore import CommitError, MemoryStorageWriter, MemStore
 from dcp_memstore.replication.peers import Peers
 from dcp_memstore.replication.placement import NodeInfo
 from dcp_memstore.replication.recovery import inventory, readable, resync
@@ -90,9 +90,23 @@ def test_commit_that_cannot_reach_a_node_fails_the_save_and_keeps_the_previous(s
         save(store, "s2")
     (cause,) = [f[0] if isinstance(f, tuple) else f for f in e.value.failures.values()]
     assert isinstance(cause, CommitError)
-    assert "'s2' was not committed: 1 of 1 other node(s) did not take the commit: node 1" in str(cause)
+    assert "'s2' was not committed: 1 of 1 other node(s) did not take it: node 1" in str(cause)
     store._peers = None
     assert store.list_checkpoints() == ["s1"] and store.latest_checkpoint() == "s1"
     assert not store.layout.checkpoint_dir("s2").exists()
     save(store, "s2")  # once the node is back, the same id saves
     assert store.list_checkpoints() == ["s1", "s2"]
+
+
+def test_replication_options_checked_before_anything(shm_dir):
+    with pytest.raises(ValueError, match="RDMA data transfer is not in this release"):
+        MemStore(shm_dir, "j", transport="rdma")
+    with pytest.raises(ValueError, match="transport must be one of"):
+        MemStore(shm_dir, "j", transport="udp")
+    with pytest.raises(ValueError, match="replicas must be an int >= 0"):
+        MemStore(shm_dir, "j", replicas=-1)
+    with pytest.raises(ValueError, match="replication_timeout_s must be > 0"):
+        MemStore(shm_dir, "j", replication_timeout_s=0)
+    with pytest.raises(ValueError, match="at least 16"):
+        MemStore(shm_dir, "j", replication_secret="short")
+    assert not (shm_dir / "j").exists()

@@ -525,18 +525,47 @@ def test_bind_address_and_layout_argument(peer_root, secret):
         PeerServer(peer_root, JOB, secret, "no-such-host.invalid")
 
 
-def test_commit_hands_manifest_and_record_to_the_store(peer_root, secret, transport):
+def test_commit_phases_hand_manifest_and_record_to_the_store(peer_root, secret, transport):
     got = []
-    with PeerServer(peer_root, JOB, secret, "127.0.0.1", on_commit=lambda *a: got.append(a)) as srv:
+
+    def on_commit(*args):
+        got.append(args)
+        return 42
+
+    with PeerServer(peer_root, JOB, secret, "127.0.0.1", on_commit=on_commit) as srv:
         manifest = os.urandom(3 * MiB + 5)  # more than one payload piece
         record = {"seq": 7, "committed_at": 1234.5, "nbytes": len(manifest)}
-        transport.commit(srv.address, "step-7", record, manifest)
-    assert got == [("step-7", record, manifest)]
+        assert transport.commit(srv.address, "step-7", "prepare", record, manifest) == 42
+        assert transport.commit(srv.address, "step-7", "commit", record) == 42
+        assert transport.commit(srv.address, "step-7", "abort", record) == 42
+        with pytest.raises(ReplicationError, match="unknown commit phase") as e:
+            transport.commit(srv.address, "step-7", "publish", record)
+        assert e.value.code == "bad_request"
+    assert got == [
+        ("step-7", "prepare", record, manifest),
+        ("step-7", "commit", record, b""),
+        ("step-7", "abort", record, b""),
+    ]
+
+
+def test_commit_manifest_swapped_in_transit_is_refused(peer_root, secret, transport, monkeypatch):
+    """The manifest's SHA-256 is in the signed header: different bytes with a valid transfer checksum
+    (what an attacker on the path without the secret could send) are refused."""
+    got = []
+    real_send = wire.send_payload
+    monkeypatch.setattr(
+        wire, "send_payload", lambda sock, view: real_send(sock, memoryview(b"X" * len(view)))
+    )
+    srv = PeerServer(peer_root, JOB, secret, "127.0.0.1", on_commit=lambda *a: got.append(a) or 1)
+    with srv, pytest.raises(ReplicationError, match="corrupt or altered") as e:
+        transport.commit(srv.address, "s", "prepare", {"seq": 1, "committed_at": 1.0, "nbytes": 0}, b"m" * 9)
+    assert e.value.code == "checksum" and got == []
 
 
 def test_commit_refused_without_a_store_or_when_the_store_fails(server, peer_root, secret, transport):
+    rec = {"seq": 1, "committed_at": 1.0, "nbytes": 0}
     with pytest.raises(ReplicationError, match="does not take commits") as e:
-        transport.commit(server.address, "step-1", {"seq": 1, "committed_at": 1.0, "nbytes": 0}, b"m")
+        transport.commit(server.address, "step-1", "prepare", rec, b"m")
     assert e.value.code == "bad_request"
 
     def failing(*_):
@@ -544,7 +573,7 @@ def test_commit_refused_without_a_store_or_when_the_store_fails(server, peer_roo
 
     with PeerServer(peer_root, JOB, secret, "127.0.0.1", on_commit=failing) as srv:
         with pytest.raises(ReplicationError, match="disk on fire") as e:
-            transport.commit(srv.address, "step-1", {"seq": 1, "committed_at": 1.0, "nbytes": 0}, b"m")
+            transport.commit(srv.address, "step-1", "prepare", rec, b"m")
         assert e.value.code == "io_error"
         with pytest.raises(ValueError, match="checkpoint id"):  # refused before anything is sent
-            transport.commit(srv.address, "../x", {"seq": 1, "committed_at": 1.0, "nbytes": 0}, b"m")
+            transport.commit(srv.address, "../x", "prepare", rec, b"m")
