@@ -1,4 +1,5 @@
 """Developer sessions: ``nox -s tests``, ``nox -s demo``, ``nox -s bench``, ``nox -s bench_persist``,
+``nox -s bench_replication``,
 ``nox -s lint``.
 
 Every session installs torch 2.13.0 first, by exact version, so that installing this package (whose
@@ -56,6 +57,14 @@ def bench_persist(session: nox.Session) -> None:
     """The persistence benchmark: upload throughput against raw s3fs and step time with persistence on/off."""
     _install(session)
     session.run("python", "benchmarks/bench_persist.py", *session.posargs)
+
+
+@nox.session(python="3.11")
+def bench_replication(session: nox.Session) -> None:
+    """The replication benchmark across two network namespaces: put_file/get_file against raw sockets, and
+    (--step-time) training step time with replication on/off. Needs root (ip netns, tmpfs mounts)."""
+    _install(session)
+    session.run("python", "benchmarks/bench_replication.py", *session.posargs)
 
 
 @nox.session(python="3.11")
