@@ -1,5 +1,5 @@
 """Developer sessions: ``nox -s tests``, ``nox -s demo``, ``nox -s bench``, ``nox -s bench_persist``,
-``nox -s bench_replication``,
+``nox -s bench_replication``, ``nox -s example``,
 ``nox -s lint``.
 
 Every session installs torch 2.13.0 first, by exact version, so that installing this package (whose
@@ -43,6 +43,13 @@ def demo(session: nox.Session) -> None:
     """Train with async checkpoints, SIGKILL a rank mid-run, resume, and compare bit for bit."""
     _install(session)
     session.run("python", "examples/demo.py", *session.posargs)
+
+
+@nox.session(python="3.11")
+def example(session: nox.Session) -> None:
+    """Train a small GPT on 2 ranks, SIGKILL a rank, resume, and plot both loss curves (bit-identical)."""
+    _install(session, "examples")
+    session.run("python", "examples/train_gpt.py", *session.posargs)
 
 
 @nox.session(python="3.11")
