@@ -30,9 +30,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import psutil
 import torch
@@ -67,6 +68,9 @@ class RunResult:
     seconds: float = 0.0
     log: Path | None = None
     final_params: Path | None = None
+
+
+R = TypeVar("R", bound=RunResult)  # torchrun_job fills in and returns the caller's own kind of result
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -125,38 +129,38 @@ def run_job(
     """
     name = label.replace(" ", "_")
     res = RunResult(label, log=work / f"{name}.log", final_params=work / f"{name}.params.pt")
+    script_args = ["--root", work / "store", "--job-id", job_id, "--steps", args.steps, "--every", args.every]
+    script_args += ["--fail-at-step", fail_at_step, "--fail-rank", FAIL_RANK]
+    script_args += ["--final-params", res.final_params]
+    return torchrun_job(
+        TRAIN_SCRIPT, script_args, NPROC, res, lambda ev: _handle_event(ev, res, reference, marker, quiet)
+    )
+
+
+def torchrun_job(
+    script: Path,
+    script_args: Sequence[object],
+    nproc: int,
+    res: R,
+    on_event: Callable[[dict[str, Any]], None],
+    timeout_s: float | None = None,
+) -> R:
+    """Run ``script`` under torchrun on ``nproc`` local ranks and wait until torchrun and every worker have
+    exited; fill in ``res`` (returncode, exited_at, timed_out, seconds) and return it.
+
+    Each stdout line ``EVENT_PREFIX`` + JSON goes to ``on_event`` as it arrives; every other stdout line, and
+    all of stderr, goes to ``res.log``. After ``timeout_s`` (default ``RUN_TIMEOUT_S``) a watchdog SIGKILLs
+    torchrun, its descendants and ``res.worker_pids`` (the workers ``on_event`` has recorded), and sets
+    ``res.timed_out``; an exception here (Ctrl-C) kills them the same way before it propagates."""
+    assert res.log is not None
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(NPROC),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        "--max-restarts",
-        "0",
-        "--monitor-interval",
-        "0.1",
-        str(TRAIN_SCRIPT),
-        "--root",
-        str(work / "store"),
-        "--job-id",
-        job_id,
-        "--steps",
-        str(args.steps),
-        "--every",
-        str(args.every),
-        "--fail-at-step",
-        str(fail_at_step),
-        "--fail-rank",
-        str(FAIL_RANK),
-        "--final-params",
-        str(res.final_params),
+        *(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)),
+        *("--master-addr", "127.0.0.1", "--master-port", str(free_port())),
+        *("--max-restarts", "0", "--monitor-interval", "0.1", str(script)),
+        *map(str, script_args),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_CPP_LOG_LEVEL="ERROR")
-    env.pop("DCP_MEMSTORE_CRASH_AT", None)  # the demo's crash is its own SIGKILL, not a test crash point
+    env.pop("DCP_MEMSTORE_CRASH_AT", None)  # the jobs' crash is their own SIGKILL, not a test crash point
     t0 = time.monotonic()
     with open(res.log, "w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, text=True)
@@ -165,7 +169,7 @@ def run_job(
             res.timed_out = True
             kill_tree(proc.pid, res.worker_pids)
 
-        watchdog = threading.Timer(RUN_TIMEOUT_S, on_timeout)
+        watchdog = threading.Timer(RUN_TIMEOUT_S if timeout_s is None else timeout_s, on_timeout)
         watchdog.start()
         try:
             assert proc.stdout is not None
@@ -177,7 +181,7 @@ def run_job(
                 if event is None:
                     log.write(line)
                 else:
-                    _handle_event(event, res, reference, marker, quiet)
+                    on_event(event)
             res.returncode = proc.wait()
             res.exited_at = time.monotonic()
         finally:

@@ -34,16 +34,13 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import math
 import os
 import random
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,8 +49,8 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from demo import RUN_TIMEOUT_S, RunResult, compare_params, fail, free_port, kill_tree, loss_text, wait_gone
-from demo_train import EVENT_PREFIX, emit
+from demo import RUN_TIMEOUT_S, RunResult, compare_params, fail, loss_text, torchrun_job, wait_gone
+from demo_train import emit
 from gpt_model import CORPUS, GPT, GPTConfig, TextBatches
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel
@@ -389,40 +386,7 @@ def launch(
     training += ["--n-layer", args.n_layer, "--n-head", args.n_head, "--n-embd", args.n_embd]
     training += ["--root", work / "store", "--job-id", job_id, "--final-params", res.final_params]
     training += ["--every", every, "--fail-at-step", fail_at, "--device", device]
-    cmd = [
-        *(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc)),
-        *("--master-addr", "127.0.0.1", "--master-port", str(free_port())),
-        *("--max-restarts", "0", "--monitor-interval", "0.1", str(Path(__file__).resolve())),
-        *map(str, training),
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_CPP_LOG_LEVEL="ERROR")
-    env.pop("DCP_MEMSTORE_CRASH_AT", None)  # the crash here is the rank's own SIGKILL
-    t0 = time.monotonic()
-    with open(res.log, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, text=True)
-
-        def on_timeout() -> None:
-            res.timed_out = True
-            kill_tree(proc.pid, res.worker_pids)
-
-        watchdog = threading.Timer(RUN_TIMEOUT_S, on_timeout)
-        watchdog.start()
-        try:
-            assert proc.stdout is not None
-            for line in proc.stdout:  # ends when torchrun and every worker have exited
-                if line.startswith(EVENT_PREFIX):
-                    record_event(json.loads(line[len(EVENT_PREFIX) :]), res)
-                else:
-                    log.write(line)
-            res.returncode = proc.wait()
-            res.exited_at = time.monotonic()
-        finally:
-            watchdog.cancel()
-            if proc.poll() is None:  # interrupted (Ctrl-C) or an error here: leave nothing running
-                kill_tree(proc.pid, res.worker_pids)
-                proc.wait()
-    res.seconds = time.monotonic() - t0
-    return res
+    return torchrun_job(Path(__file__).resolve(), training, args.nproc, res, lambda ev: record_event(ev, res))
 
 
 def record_event(ev: dict[str, Any], res: GPTRun) -> None:
