@@ -647,6 +647,17 @@ def format_table(res: ConfigResult, reps: int) -> str:
     )
 
 
+def run_record(info: dict, args: Any, wall: float, load_before: Any, load_after: Any) -> dict[str, Any]:
+    """What every benchmark's --json output starts with: the machine, the arguments, wall time, load."""
+    return {
+        "machine": info,
+        "args": {k: v for k, v in vars(args).items() if k != "json"},
+        "wall_s": wall,
+        "loadavg_before": load_before,
+        "loadavg_after": load_after,
+    }
+
+
 def machine() -> dict[str, Any]:
     cpu = ""
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
@@ -746,11 +757,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.json:
         payload = {
-            "machine": info,
-            "args": {k: v for k, v in vars(args).items() if k != "json"},
-            "wall_s": wall,
-            "loadavg_before": load_before,
-            "loadavg_after": load_after,
+            **run_record(info, args, wall, load_before, load_after),
             "configs": [
                 {
                     "ranks": res.ranks,

@@ -78,6 +78,7 @@ import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
 from benchmarks.bench_core import machine as core_machine  # noqa: E402
+from benchmarks.bench_core import run_record  # noqa: E402
 from dcp_memstore import MemoryStorageWriter, MemStore  # noqa: E402
 from tests.s3_server import SeaweedS3  # noqa: E402
 
@@ -847,12 +848,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.json:
         payload = {
-            "machine": info,
-            "args": {k: v for k, v in vars(args).items() if k != "json"},
-            "wall_s": wall,
+            **run_record(info, args, wall, load_before, load_after),
             "status_races": RACES,
-            "loadavg_before": load_before,
-            "loadavg_after": load_after,
             "uploads": [
                 {
                     "target": r.target,

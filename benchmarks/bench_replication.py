@@ -84,7 +84,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_core import machine  # noqa: E402
+from benchmarks.bench_core import machine, run_record  # noqa: E402
 from benchmarks.bench_persist import Trainer, cpu_of, cpu_self, parallel, pct, spread, table  # noqa: E402
 from dcp_memstore import MemStore  # noqa: E402
 from tests.netns import Cluster, Node, cleanup_stale, netns_unavailable  # noqa: E402
@@ -995,11 +995,7 @@ def main(argv: list[str] | None = None) -> int:
         elif step_error:
             step_json = {"error": step_error}
         payload = {
-            "machine": info,
-            "args": {k: v for k, v in vars(args).items() if k != "json"},
-            "wall_s": wall,
-            "loadavg_before": load_before,
-            "loadavg_after": load_after,
+            **run_record(info, args, wall, load_before, load_after),
             "target": TARGET,
             "transfers": [
                 {
