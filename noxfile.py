@@ -1,5 +1,5 @@
 """Developer sessions: ``nox -s tests``, ``nox -s demo``, ``nox -s bench``, ``nox -s bench_persist``,
-``nox -s bench_replication``, ``nox -s example``,
+``nox -s bench_replication``, ``nox -s bench_megatron``, ``nox -s example``,
 ``nox -s lint``.
 
 Every session installs torch 2.13.0 first, by exact version, so that installing this package (whose
@@ -33,8 +33,8 @@ def _constraints(session: nox.Session) -> str:
 
 @nox.session(python="3.11")
 def tests(session: nox.Session) -> None:
-    """The test suite (GPU tests skip without CUDA)."""
-    _install(session)
+    """The test suite (GPU tests skip without CUDA; the Megatron-Core strategies are tested too)."""
+    _install(session, "dev,megatron")
     session.run("pytest", "-q", *session.posargs)
 
 
@@ -72,6 +72,13 @@ def bench_replication(session: nox.Session) -> None:
     (--step-time) training step time with replication on/off. Needs root (ip netns, tmpfs mounts)."""
     _install(session)
     session.run("python", "benchmarks/bench_replication.py", *session.posargs)
+
+
+@nox.session(python="3.11")
+def bench_megatron(session: nox.Session) -> None:
+    """Megatron-Core save/load through our strategies against its torch-dist strategy on the same tmpfs."""
+    _install(session, "dev,megatron")
+    session.run("python", "benchmarks/bench_megatron.py", *session.posargs)
 
 
 @nox.session(python="3.11")

@@ -54,6 +54,13 @@ class SaveOrder:
         if book is not None:
             book._abandoned.append((seq, slot))
 
+    @classmethod
+    def _fresh_locks_in_child(cls) -> None:
+        """A forked child has none of the parent's threads: locks they held at the fork are replaced."""
+        cls._books_lock = threading.Lock()
+        for book in cls._books.values():
+            book._lock = threading.Lock()
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._next = 0
@@ -151,3 +158,6 @@ def wait_while(blocking: Callable[[], list[Ticket]], timeout_s: float) -> list[T
         time.sleep(delay)
         delay = min(delay * 2, 0.02)
     return waiting
+
+
+os.register_at_fork(after_in_child=SaveOrder._fresh_locks_in_child)

@@ -203,3 +203,12 @@ class _MappingCache:
 
 
 MAPPINGS = _MappingCache()
+
+
+def _fresh_lock_in_child() -> None:
+    """A forked child has none of the parent's threads: a lock one of them held at the fork would never be
+    released there. (The mappings themselves are inherited and stay valid.)"""
+    MAPPINGS._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_lock_in_child)

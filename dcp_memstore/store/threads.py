@@ -34,6 +34,17 @@ def run_parallel(fn: Callable[[Any], T], items: Iterable[Any], threads: int, poo
     return list(executor.map(fn, items))
 
 
+def _start_child_without_pools() -> None:
+    """In a forked child (Megatron's async writer forks the trainer) none of the parent's threads exist:
+    its pools would never run work, and a lock a parent thread held at the fork would never be released."""
+    global _lock
+    _pools.clear()
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_start_child_without_pools)
+
+
 def yield_cpu_to_training() -> None:
     """Lower this thread's CPU priority (nice +10, Linux: per thread), once: background work (uploads,
     replication) uses the CPU that training leaves, instead of competing with it."""

@@ -1,0 +1,99 @@
+"""How a Megatron ``checkpoint_dir`` maps to a checkpoint in a ``MemStore``.
+
+Megatron passes a directory to ``dist_checkpointing.save``/``load``; it writes its own small files there
+(``common.pt``, ``metadata.json``) and inspects it. The tensors and ShardedObjects of a checkpoint saved
+with ``MemStoreSaveStrategy`` are in the strategy's store instead, under a checkpoint id:
+
+* **save:** the id is the directory's base name (``/ckpts/run1/iter_0000100`` -> ``iter_0000100``),
+  validated like every store id (letters, digits, ``.``, ``_``, ``-``; no path). At commit the coordinator
+  writes ``dcp_memstore.json`` into the directory: format, backend, store root, job id, checkpoint id.
+* **load:** the id named by ``dcp_memstore.json`` (so a renamed directory still finds its checkpoint), else
+  the base name; a pointer naming another job than the load strategy's store is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+from megatron.core.dist_checkpointing.core import CheckpointingException
+
+from dcp_memstore.memstore import MemStore
+from dcp_memstore.store.ids import validate_name
+
+BACKEND = "dcp_memstore"  # metadata.json's sharded_backend of checkpoints saved with MemStoreSaveStrategy
+VERSION = 1
+POINTER = "dcp_memstore.json"  # in checkpoint_dir: which store and id hold the checkpoint's data
+POINTER_FORMAT = 1
+
+
+def checkpoint_id_for(checkpoint_dir: str | os.PathLike) -> str:
+    """The store checkpoint id a save into ``checkpoint_dir`` uses: its base name, validated.
+
+    Raises ValueError saying why when the base name is not a valid id (or the path is a URL)."""
+    path = os.fspath(checkpoint_dir)
+    if "://" in str(path):
+        raise ValueError(
+            f"checkpoint_dir {path!r} is a URL; dcp_memstore's Megatron strategies need a local directory "
+            "(Megatron's MultiStorageClient paths are not supported)"
+        )
+    name = os.path.basename(os.path.normpath(path))
+    try:
+        return validate_name(name)
+    except ValueError as e:
+        raise ValueError(
+            f"checkpoint_dir {path!r}: its base name {name!r} is the checkpoint's id in the store and is "
+            f"not valid ({e}). Name the directory like 'iter_0000100'."
+        ) from None
+
+
+def write_pointer(checkpoint_dir: str | os.PathLike, store: MemStore, checkpoint_id: str) -> None:
+    """Record in ``checkpoint_dir`` where its data is (atomically: a temporary file renamed into place)."""
+    record = {
+        "format": POINTER_FORMAT,
+        "backend": BACKEND,
+        "root": str(store.root),
+        "job_id": store.job_id,
+        "checkpoint_id": checkpoint_id,
+    }
+    path = Path(checkpoint_dir) / POINTER
+    tmp = path.with_name(f".{POINTER}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        tmp.write_text(json.dumps(record, indent=1) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def read_pointer(checkpoint_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The pointer record of ``checkpoint_dir``, or None if it has none."""
+    path = Path(checkpoint_dir) / POINTER
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError as e:
+        raise CheckpointingException(f"{path} is not a valid dcp_memstore pointer: {e}") from e
+    if not isinstance(record, dict) or record.get("format") != POINTER_FORMAT:
+        raise CheckpointingException(f"{path} is not a dcp_memstore pointer of format {POINTER_FORMAT}")
+    return record
+
+
+def resolve_checkpoint_id(checkpoint_dir: str | os.PathLike, store: MemStore) -> str:
+    """The store checkpoint id to load for ``checkpoint_dir``: the pointer's, else the base name.
+
+    Raises CheckpointingException if the pointer says the checkpoint was saved to another job's store."""
+    pointer = read_pointer(checkpoint_dir)
+    if pointer is None:
+        return checkpoint_id_for(checkpoint_dir)
+    if pointer.get("job_id") != store.job_id:
+        raise CheckpointingException(
+            f"{checkpoint_dir} was saved to the store of job {pointer.get('job_id')!r} (root "
+            f"{pointer.get('root')}), but this strategy's store is job {store.job_id!r} (root {store.root}); "
+            f"use MemStore(root={pointer.get('root')!r}, job_id={pointer.get('job_id')!r})"
+        )
+    return validate_name(pointer.get("checkpoint_id"))

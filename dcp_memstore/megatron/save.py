@@ -1,0 +1,261 @@
+"""``MemStoreSaveStrategy``: Megatron-Core's sharded save strategy, writing into a ``MemStore``.
+
+Megatron's async save has three phases; the store's save protocol (stage, plan, write, commit) maps onto
+them as follows.
+
+1. ``async_save`` (the trainer; training waits for it): the data of every main-replica ShardedTensor is
+   staged, i.e. copied into a tmpfs staging slot by the store's stager (GPU tensors by DMA into the pinned
+   mapping), and ShardedObjects are serialised by Megatron's own conversion, as its torch_dist strategy
+   does. Then DCP's planning runs (collectives) with Megatron's ``MCoreSavePlanner`` and dcp_memstore's
+   ``MemoryStorageWriter``; the coordinator creates the checkpoint directory in the store. Once it
+   returns, training may change its tensors.
+2. ``AsyncRequest.async_fn`` (Megatron's async worker: a forked process with ``AsyncCallsQueue``, a
+   persistent worker process, or inline with ``execute_sync``): this rank's write. Staged items are only
+   checksummed and their files renamed into the checkpoint. The write results go to a small msgpack
+   record in the checkpoint's directory in the store, since the worker may be another process.
+3. The finalize function (the trainer, every rank, after every rank's worker is done): the results are
+   gathered; the coordinator writes the manifest and the COMMITTED marker (the checkpoint becomes visible
+   in the store), evicts beyond ``keep_in_memory``, and writes ``dcp_memstore.json`` into
+   ``checkpoint_dir``. Megatron then writes ``metadata.json``, so a directory with ``metadata.json`` always
+   names a committed checkpoint.
+
+``checkpoint_dir`` maps to the checkpoint id by its base name (see ``checkpoint_dir.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTensor
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+from megatron.core.dist_checkpointing.strategies.torch import (
+    MCoreSavePlanner,
+    TorchDistSaveShardedStrategy,
+    _replace_state_dict_keys_with_sharded_keys,
+    mcore_to_pyt_state_dict,
+)
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.checkpoint.utils import _DistWrapper
+
+from dcp_memstore.dcp.writer import MemoryStorageWriter
+from dcp_memstore.megatron.checkpoint_dir import BACKEND, VERSION, checkpoint_id_for, write_pointer
+from dcp_memstore.memstore import MemStore
+from dcp_memstore.store.manifest import ShardLocation
+from dcp_memstore.store.records import read_record, write_record
+
+RESULTS_RECORD = "megatron-results-r{rank}.msgpack"  # in the store's checkpoint directory, until finalize
+
+
+class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
+    """Megatron ``sharded_strategy`` that saves into ``store`` (tmpfs) instead of files in checkpoint_dir.
+
+    Use it with ``dist_checkpointing.save(sd, checkpoint_dir, sharded_strategy=MemStoreSaveStrategy(store),
+    async_sharded_save=True)`` and schedule the returned ``AsyncRequest`` (``AsyncCallsQueue`` or
+    ``execute_sync()``); synchronous saves work too. It subclasses Megatron's torch_dist strategy (same
+    planner, same DCP layout of keys, ShardedObjects handled) so code that expects one accepts it; the
+    backend recorded in metadata.json is ``"dcp_memstore"``. Every AsyncRequest it returns must be run and
+    finalized, in order (as Megatron's queue does); the store's next save waits until its write is done.
+
+    ``saves_committed`` counts the saves this process finalized (committed), for monitoring and tests.
+    """
+
+    def __init__(self, store: MemStore) -> None:
+        if not isinstance(store, MemStore):
+            raise TypeError(f"MemStoreSaveStrategy needs a MemStore, got {type(store).__name__}")
+        super().__init__(BACKEND, VERSION, keep_only_main_replica=True)
+        self.store = store
+        self.saves_committed = 0
+
+    def async_save(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike
+    ) -> AsyncRequest:
+        """Stage and plan the save of ``sharded_state_dict`` (the trainer's part); return the request whose
+        ``async_fn`` writes this rank's part and whose finalize function commits the checkpoint."""
+        cid = checkpoint_id_for(checkpoint_dir)
+        flat, _, _ = _replace_state_dict_keys_with_sharded_keys(
+            sharded_state_dict, keep_only_main_replica=True
+        )
+        writer = MemoryStorageWriter(self.store)
+        staged = _stage(writer, flat)
+        dw = _DistWrapper(None, True, 0)
+        record = self.store.layout.checkpoint_dir(cid) / RESULTS_RECORD.format(rank=dw.rank)
+        holder = _SaveThread(writer, cid, record)
+        try:
+            planner = MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False)
+            plan, metadata = _plan(mcore_to_pyt_state_dict(staged, False), writer, planner, dw)
+            data = _ResolvedData({item.index: planner.resolve_data(item) for item in plan.items})
+        except BaseException:
+            holder.release()
+            raise
+        holder.watch()
+        finalize = functools.partial(
+            self._finalize, writer, metadata, dw, holder, record, checkpoint_dir, cid
+        )
+        return AsyncRequest(_write_rank, (writer, plan, data, str(record)), [finalize])
+
+    def _finalize(
+        self,
+        writer: MemoryStorageWriter,
+        metadata: Metadata | None,
+        dw: _DistWrapper,
+        holder: _SaveThread,
+        record: Path,
+        checkpoint_dir: str | os.PathLike,
+        cid: str,
+    ) -> None:
+        """Every rank: hand this rank's write results to the coordinator, which commits the checkpoint and
+        writes the pointer into ``checkpoint_dir``. A failure on any rank raises on every rank, uncommitted."""
+
+        def my_results() -> list[WriteResult]:
+            try:
+                rec = read_record(record)
+            except FileNotFoundError:
+                raise RuntimeError(
+                    f"rank {dw.rank} has no results of its write of checkpoint {cid!r}: the AsyncRequest's "
+                    "async_fn did not run to its end (was it scheduled? did Megatron's async worker die?)"
+                ) from None
+            record.unlink()
+            if "error" in rec:
+                raise RuntimeError(f"rank {dw.rank}: writing checkpoint {cid!r} failed: {rec['error']}")
+            return [_decode_result(r) for r in rec["results"]]
+
+        def commit(results: list[list[WriteResult]]) -> None:
+            writer.finish(metadata, results)
+            write_pointer(checkpoint_dir, self.store, cid)
+
+        try:
+            dw.all_reduce("write", my_results, commit)
+        finally:
+            holder.release()
+        self.saves_committed += 1
+
+
+def _stage(writer: MemoryStorageWriter, flat: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    """``flat`` (sharded key -> ShardedTensors/ShardedObjects) with every ShardedTensor replaced by a copy
+    whose data is its staged copy in tmpfs; the caller's ShardedTensors are left as they are."""
+    shards = [
+        sh for shs in flat.values() for sh in shs if isinstance(sh, ShardedTensor) and sh.data is not None
+    ]
+    staged = writer.stage({"data": [sh.data for sh in shards]})["data"]
+    copies = {}
+    for sh, data in zip(shards, staged, strict=True):
+        copies[id(sh)] = c = copy.copy(sh)
+        c.data = data
+    return {key: [copies.get(id(sh), sh) for sh in shs] for key, shs in flat.items()}
+
+
+def _plan(
+    state_dict: dict[str, Any], writer: MemoryStorageWriter, planner: MCoreSavePlanner, dw: _DistWrapper
+) -> tuple[SavePlan, Metadata | None]:
+    """DCP's planning of a save (collectives on the default group): this rank's final plan, and on the
+    coordinator the checkpoint's metadata."""
+    metadata: Metadata | None = None
+
+    def local_step() -> SavePlan:
+        planner.set_up_planner(
+            state_dict=state_dict, storage_meta=writer.storage_meta(), is_coordinator=dw.is_coordinator
+        )
+        writer.set_up_storage_writer(dw.is_coordinator, rank=dw.rank, use_collectives=True)
+        return writer.prepare_local_plan(planner.create_local_plan())
+
+    def global_step(plans: list[SavePlan]) -> list[SavePlan]:
+        nonlocal metadata
+        plans, metadata = planner.create_global_plan(plans)
+        return writer.prepare_global_plan(plans)
+
+    return planner.finish_plan(dw.reduce_scatter("plan", local_step, global_step)), metadata
+
+
+class _ResolvedData:
+    """The data of each of a rank's write items, resolved in the trainer; stands in for the planner in the
+    async worker. The writer only asks its planner for ``resolve_data``, and this, unlike Megatron's planner
+    (which holds tensor wrapper subclasses), pickles: staged tensors travel as the tmpfs files' descriptors."""
+
+    def __init__(self, data: dict[MetadataIndex, Any]) -> None:
+        self.data = data
+
+    def resolve_data(self, item: WriteItem) -> Any:
+        return self.data[item.index]
+
+
+def _write_rank(writer: MemoryStorageWriter, plan: SavePlan, data: _ResolvedData, record: str) -> None:
+    """The request's ``async_fn``: write this rank's part of the checkpoint, then leave its results (or its
+    error) in ``record`` for the finalize step, which may run in another process."""
+    try:
+        results = writer.write_data(plan, data).value()
+    except BaseException as e:
+        write_record(Path(record), {"error": f"{type(e).__name__}: {e}"})
+        raise
+    write_record(Path(record), {"results": [_encode_result(r) for r in results]})
+
+
+def _encode_result(r: WriteResult) -> list:
+    idx = r.index
+    offset = None if idx.offset is None else list(idx.offset)
+    return [idx.fqn, offset, idx.index, r.size_in_bytes, r.storage_data.to_record()]
+
+
+def _decode_result(rec: list) -> WriteResult:
+    fqn, offset, index, size, location = rec
+    return WriteResult(
+        index=MetadataIndex(fqn, offset, index),
+        size_in_bytes=int(size),
+        storage_data=ShardLocation.from_record(location),
+    )
+
+
+class _SaveThread:
+    """Stands in for the thread of a background save while Megatron runs it.
+
+    dcp_memstore keeps a job's background saves in order by the thread each staged save is bound to (the
+    writer's ``reset`` binds it): a later save starts only when the threads of earlier ones have ended, and
+    a stager recycles the staging slot of a save whose thread ended without writing it. Megatron plans on
+    the trainer's thread and writes in its async worker, so this thread calls ``reset`` (waiting there for
+    earlier saves) and then lives until this rank's write has left its results ``record`` (after the
+    planning: ``watch``), or until ``release`` (finalize, or a failed planning)."""
+
+    def __init__(self, writer: MemoryStorageWriter, checkpoint_id: str, record: Path) -> None:
+        self._record = record
+        self._watching = threading.Event()
+        self._released = threading.Event()
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run,
+            args=(writer, checkpoint_id),
+            name=f"dcp_memstore-megatron-{checkpoint_id}",
+            daemon=True,
+        )
+        self._thread.start()
+        self._started.wait()
+        if self._error is not None:
+            raise self._error
+
+    def _run(self, writer: MemoryStorageWriter, checkpoint_id: str) -> None:
+        try:
+            writer.reset(checkpoint_id)
+        except BaseException as e:  # reported to the trainer by __init__
+            self._error = e
+            return
+        finally:
+            self._started.set()
+        delay = 0.001
+        while not self._released.wait(delay):
+            if self._watching.is_set() and self._record.exists():
+                return
+            delay = min(delay * 2, 0.02)
+
+    def watch(self) -> None:
+        """The planning is done (a results record from an earlier attempt at this id is gone): end once this
+        save's record appears."""
+        self._watching.set()
+
+    def release(self) -> None:
+        self._released.set()
