@@ -1,0 +1,224 @@
+"""The replication face of ``MemStore``: starting this process's replication service in a multi-node job,
+committing a checkpoint on every node (the coordinator's side and each node's), repairing a node's copy
+in ``latest_checkpoint()``, reading from other nodes' memory, and waiting for replicas.
+
+A mixin of ``MemStore`` (it uses the store's layout and options), kept apart so that ``memstore.py`` holds
+the node-local store and persistence, and everything that talks to other nodes is here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any
+
+from dcp_memstore.errors import CommitError
+from dcp_memstore.replication.cluster_read import ClusterCheckpoint
+from dcp_memstore.replication.peers import Peers, default_bind_host
+from dcp_memstore.replication.recovery import restore, resync
+from dcp_memstore.replication.service import ReplicationService, job_node_info
+from dcp_memstore.replication.tcp import TcpTransport
+from dcp_memstore.replication.transport import format_peer
+from dcp_memstore.status import CheckpointStatus
+from dcp_memstore.store import catalog
+from dcp_memstore.store.ids import validate_name
+from dcp_memstore.store.layout import MANIFEST
+from dcp_memstore.store.manifest import Manifest
+from dcp_memstore.store.records import write_atomic
+from dcp_memstore.store.threads import run_parallel
+
+log = logging.getLogger("dcp_memstore.memstore")
+_service_lock = threading.Lock()
+
+
+def _request(
+    transport: TcpTransport, peers: Peers, node: int, phase: str, record: Any, manifest: bytes = b""
+) -> int | str:
+    """One commit phase on ``node`` (local rank 0's server): its next sequence number, or why it failed."""
+    addr = peers.server(node, 0)
+    try:
+        return transport.commit(addr, record.checkpoint_id, phase, record.to_record(), manifest)
+    except (ConnectionError, TimeoutError, OSError, RuntimeError) as e:
+        return f"node {node} ({format_peer(addr)}): {str(e).rstrip('.')}"
+
+
+class ReplicatingStore:
+    """Replication methods of ``MemStore`` (see the module docstring)."""
+
+    def _repair(
+        self,
+        service: ReplicationService,
+        newest: str | None,
+        in_memory: dict[str, tuple[float, int, int]],
+        inventories: dict[int, dict],
+    ) -> None:
+        """Restore ``newest`` on this node if it is readable from the cluster but not here, and owe again
+        the replicas other nodes lost (see ``recovery``). Failures are logged: reads then fetch per file."""
+        peers = service.peers()
+        if newest is not None and newest in in_memory and catalog.read_commit(self.layout, newest) is None:
+            start = time.perf_counter()
+            try:
+                nbytes = restore(
+                    self.layout, peers, service.control, newest, in_memory[newest], self.io_threads
+                )
+                seconds = time.perf_counter() - start
+                log.info(
+                    "restored checkpoint %r on %s from its peers: %d bytes in %.2f s (%.2f GB/s)",
+                    newest, peers.name, nbytes, seconds, nbytes / max(seconds, 1e-9) / 1e9,
+                )  # fmt: skip
+            except (FileNotFoundError, ConnectionError, TimeoutError, OSError, RuntimeError, ValueError) as e:
+                log.warning(
+                    "cannot restore checkpoint %r on %s from its peers (reads fetch per file): %s",
+                    newest,
+                    peers.name,
+                    e,
+                )
+        if self.replicas:
+            resync(self.layout, peers, inventories)
+        service.wake()
+
+    def _cluster_copy(self, cid: str) -> ClusterCheckpoint | None:
+        """``cid`` as the other nodes' memory holds it, or None (single node, or committed nowhere)."""
+        control = self._control()
+        if control is None:
+            return None
+        cluster = ClusterCheckpoint(*control, cid)
+        return cluster if cluster.available else None
+
+    def _peers_now(self) -> Peers:
+        return self._service.peers() if self._service is not None else self._peers
+
+    def replication(self) -> ReplicationService | None:
+        """This process's replication service: started on the first call after ``init_process_group`` in
+        a job that spans several nodes (the constructor, a save or ``latest_checkpoint`` make that call);
+        None on a single node, before the process group exists, and in DCP's checkpoint process."""
+        if self._service is not None or self._single_node or self._is_copy or self._closed:
+            return self._service
+        with _service_lock:
+            node = job_node_info()
+            if self._service is not None:
+                pass
+            elif node is not None and not node.multi_node:
+                self._single_node = True
+            elif node is not None:
+                self._service = ReplicationService(
+                    self.layout,
+                    node,
+                    k=self.replicas,
+                    bind_host=self.replication_bind or default_bind_host(),
+                    secret=self._secret,
+                    transport=self.transport,
+                    on_commit=self._commit_here,
+                    timeout_s=self.stage_timeout_s,
+                    io_timeout_s=self.replication_timeout_s,
+                    keep=self.keep_in_memory,
+                )
+        return self._service
+
+    def _control(self) -> tuple[Peers, TcpTransport] | None:
+        """The job's peers and a transport for control requests, in a multi-node job (else None)."""
+        service = self.replication()
+        if service is not None:
+            return service.peers(), service.control
+        if self._peers is None:
+            return None
+        if self._control_transport is None:
+            self._control_transport = TcpTransport(
+                self.job_id, self._peers.secret, self.replication_timeout_s
+            )
+        return self._peers, self._control_transport
+
+    def _replicating(self) -> bool:
+        """Whether this node's checkpoints are replicated (several nodes and ``replicas`` >= 1)."""
+        node = self._service.node if self._service is not None else self._peers.node if self._peers else None
+        return bool(self.replicas) and node is not None and node.multi_node
+
+    def prepare_everywhere(self, record: catalog.CommitRecord, manifest: bytes) -> catalog.CommitRecord:
+        """Called by the coordinator before it commits: hand the checkpoint's manifest to every other node
+        (nothing becomes visible there yet) and return ``record`` with the sequence number every node
+        agrees on (the highest any node would give next). If a node does not take it, abort it on all
+        and raise CommitError naming the nodes."""
+        control = self._control()
+        if control is None:
+            return record
+        peers, transport = control
+        others = peers.other_nodes()
+        replies = run_parallel(
+            lambda n: _request(transport, peers, n, "prepare", record, manifest),
+            others,
+            len(others),
+            pool="commit",
+        )
+        errors = [r for r in replies if isinstance(r, str)]
+        if errors:
+            run_parallel(
+                lambda n: _request(transport, peers, n, "abort", record), others, len(others), pool="commit"
+            )
+            raise CommitError(
+                f"checkpoint {record.checkpoint_id!r} was not committed: {len(errors)} of {len(others)} "
+                f"other node(s) did not take it: {'; '.join(errors)}. The previous checkpoint stays the "
+                "newest; save again once every node is reachable"
+            )
+        return dataclasses.replace(record, seq=max([record.seq, *replies]))
+
+    def commit_everywhere(self, record: catalog.CommitRecord) -> None:
+        """Called by the coordinator once it committed: commit on every other node (prepared before).
+        A node that misses it keeps its part uncommitted (logged); that node then cannot serve it."""
+        control = self._control()
+        if control is None:
+            return
+        peers, transport = control
+        others = peers.other_nodes()
+        for err in run_parallel(
+            lambda n: _request(transport, peers, n, "commit", record), others, len(others), pool="commit"
+        ):
+            if isinstance(err, str):
+                log.warning("checkpoint %r committed, but not on %s", record.checkpoint_id, err)
+
+    def _commit_here(self, checkpoint_id: str, phase: str, record: dict, manifest: bytes) -> int:
+        """The peer server's commit handler, on a node other than the coordinator's: ``prepare`` checks
+        and stores the manifest of a checkpoint this node's ranks wrote part of, ``commit`` makes it
+        visible with the coordinator's record and applies retention, ``abort`` discards it. Returns this
+        node's next sequence number."""
+        cid = validate_name(checkpoint_id)
+        directory = self.layout.checkpoint_dir(cid)
+        done = catalog.read_commit(self.layout, cid)
+        if phase == "abort":
+            if done is None:
+                catalog.discard(self.layout, directory)
+        elif done is not None:
+            if (done.seq, done.committed_at) != (record["seq"], record["committed_at"]):
+                raise ValueError(f"checkpoint {cid!r} is already committed on this node by another save")
+        elif phase == "prepare":
+            if not directory.is_dir():
+                raise ValueError(f"no rank of this node wrote checkpoint {cid!r}")
+            Manifest.decode(
+                manifest, cid
+            )  # refuses a malformed one, or one naming files outside the checkpoint
+            write_atomic(directory / MANIFEST, manifest)
+        else:  # commit
+            if not (directory / MANIFEST).exists():
+                raise ValueError(f"checkpoint {cid!r} was not prepared on this node")
+            self.prepare_commit(cid, record["seq"])
+            catalog.commit(
+                self.layout, cid, record["nbytes"], seq=record["seq"], committed_at=record["committed_at"]
+            )
+            self.after_commit()
+        return catalog.next_seq(self.layout)
+
+    def wait_replicated(self, checkpoint_id: str, timeout: float | None = None) -> CheckpointStatus:
+        """Block until this node's files of ``checkpoint_id`` are acknowledged by every replica node.
+        Returns at once when replication is off (one node, or ``replicas=0``). TimeoutError after
+        ``timeout`` seconds, saying which peers lack it and why."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            st = self.status(checkpoint_id)
+            if st.replication in ("off", "replicated"):
+                return st
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"checkpoint {st.checkpoint_id!r} not replicated after {timeout} s: {st.replicas}"
+                )
+            time.sleep(0.05)
