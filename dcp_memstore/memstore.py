@@ -125,7 +125,9 @@ class MemStore(ReplicatingStore):
             ``$DCP_MEMSTORE_BIND``, else the local address that reaches ``$MASTER_ADDR``.
         replication_secret: the job's replication secret (>= 16 bytes, the same on every rank). Default:
             a random one shared through the torch.distributed store.
-        transport: ``"auto"`` (default: RDMA where it works, else TCP, saying why), ``"tcp"`` or ``"rdma"``.
+        transport: ``"auto"`` (default: RDMA through pyverbs where a device opens with an active port,
+            else TCP, saying why), ``"tcp"`` or ``"rdma"`` (RuntimeError when replication starts on a node
+            where no RDMA device opens).
         replication_timeout_s: how long a peer may stay silent before a transfer to or from it is given up
             (and retried later). Default 30.
 
@@ -185,11 +187,6 @@ class MemStore(ReplicatingStore):
         if not isinstance(transport, str) or transport.lower() not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {transport!r}")
         self.transport = transport.lower()
-        if self.transport == "rdma":
-            raise ValueError(
-                "transport='rdma': RDMA data transfer is not in this release (the device is only probed); "
-                "use transport='auto' (TCP, saying why RDMA was not used) or 'tcp'"
-            )
         self._secret = None if replication_secret is None else check_secret(replication_secret)
         self.replication_bind = replication_bind
         if not replication_timeout_s > 0:

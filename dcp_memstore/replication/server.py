@@ -17,6 +17,11 @@ names). A received file is size-capped, checked against the free memory, allocat
 bytes arrive (so a full tmpfs is an error reply, never a SIGBUS), filled straight from the socket into its
 mapping, and renamed into place only after its checksum matched.
 
+With an RDMA endpoint (``rdma``, see ``rdma``), ``rdma_put`` and ``rdma_get`` move the same files by RDMA
+after the same checks (the request authenticated, names, size and space accepted) and before anything is
+registered; the exposed mapping is deregistered before a received file is hashed and renamed. Without one,
+both are refused with code ``rdma_unavailable`` (the peer then uses ``put``/``get``).
+
 A thread per connection (daemon, at most ``max_connections`` at once; more are refused as busy). Any error
 reply closes the connection; a refused request has touched nothing.
 """
@@ -33,10 +38,12 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dcp_memstore.errors import InsufficientSpaceError
 from dcp_memstore.replication import wire
 from dcp_memstore.replication.auth import DEFAULT_WINDOW_S, AuthError, RequestVerifier, sign_reply
+from dcp_memstore.replication.rdma_verbs import VerbsError, buffer_address
 from dcp_memstore.replication.transport import (
     IncomingFile,
     OutgoingFile,
@@ -44,6 +51,9 @@ from dcp_memstore.replication.transport import (
 )
 from dcp_memstore.store.ids import validate_file_name, validate_name
 from dcp_memstore.store.layout import COMMITTED, StoreLayout
+
+if TYPE_CHECKING:
+    from dcp_memstore.replication.rdma import Exposure, RdmaEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +64,10 @@ MAX_MANIFEST_BYTES = 1 << 30
 COMMIT_PHASES = ("prepare", "commit", "abort")
 # on_commit(checkpoint, phase, {"seq", "committed_at", "nbytes"}, manifest bytes) -> this node's next seq
 CommitHandler = Callable[[str, str, dict, bytes], int]
+# The slowest RDMA rate a server waits for: after an rdma_put/rdma_get go-ahead the TCP connection is idle
+# while the peer moves the bytes, so the trailer may take io_timeout_s + size / this. A peer that dies
+# closes its connection, which ends the wait at once.
+RDMA_MIN_BYTES_PER_S = 100e6
 _DRAIN_BYTES = 1 << 20  # read at most this much of a refused request's leftovers, so the reply is not lost
 _DRAIN_S = 1.0
 
@@ -105,7 +119,9 @@ class PeerServer:
     """Serves one job's checkpoint files to its peers and keeps their replicas (see the module docstring).
 
     ``root`` is the store root (or its ``StoreLayout``); ``secret`` the job's replication secret
-    (``auth.shared_secret``). The server runs from construction until ``close()``."""
+    (``auth.shared_secret``). ``rdma``: an ``rdma.RdmaEndpoint`` to serve ``rdma_put``/``rdma_get`` with
+    (the server owns it from then on and closes it in ``close()``), or None (those ops are refused with
+    code ``rdma_unavailable``). The server runs from construction until ``close()``."""
 
     def __init__(
         self,
@@ -120,6 +136,7 @@ class PeerServer:
         io_timeout_s: float = DEFAULT_IO_TIMEOUT_S,
         window_s: float = DEFAULT_WINDOW_S,
         on_commit: CommitHandler | None = None,
+        rdma: RdmaEndpoint | None = None,
     ) -> None:
         job_id = validate_name(job_id, "job id")
         if isinstance(root, StoreLayout):
@@ -133,6 +150,7 @@ class PeerServer:
         self.max_file_bytes = max_file_bytes
         self.io_timeout_s = io_timeout_s
         self.on_commit = on_commit
+        self.rdma = rdma
         self._slots = threading.BoundedSemaphore(max_connections)
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, threading.Thread] = {}
@@ -170,6 +188,8 @@ class PeerServer:
         self._accept_thread.join(max(0.0, deadline - time.monotonic()))
         for _, thread in conns:
             thread.join(max(0.0, deadline - time.monotonic()))
+        if self.rdma is not None:
+            self.rdma.close()  # the device closes once transfers still ending have released it too
 
     def __enter__(self) -> PeerServer:
         return self
@@ -235,6 +255,8 @@ class PeerServer:
                     "put": self._op_put,
                     "get": self._op_get,
                     "commit": self._op_commit,
+                    "rdma_put": self._op_rdma_put,
+                    "rdma_get": self._op_rdma_get,
                 }
                 try:
                     handler[op](conn, header, nonce)
@@ -285,7 +307,9 @@ class PeerServer:
         own = _list_files(own_dir)
         self._reply(conn, nonce, {"own": own, "committed": COMMITTED in own, "replicas": replicas})
 
-    def _op_put(self, conn: socket.socket, header: dict, nonce: bytes) -> None:
+    def _incoming_replica(self, header: dict) -> tuple[IncomingFile, str]:
+        """The checks of a ``put`` (names, size limit, space) and, if they pass, the preallocated temporary
+        file for it, with a description for messages; a refusal (nothing created) otherwise."""
         source = _name(header["source"], "source node")
         checkpoint = _name(header["checkpoint"], "checkpoint id")
         file = _file_name(header["file"])
@@ -304,26 +328,38 @@ class PeerServer:
             raise _Refusal("no_space", str(e)) from None
         except OSError as e:
             raise _Refusal("io_error", f"cannot create {dest / file}: {e}") from None
+        return incoming, f"file {file} of checkpoint {checkpoint} from node {source}"
+
+    def _stored(self, what: str, size: int, start: float) -> None:
+        seconds = time.perf_counter() - start
+        log.debug(
+            "peer server of job %s: stored %s (%d bytes, %.3f s, %.2f GB/s)",
+            self.job_id, what, size, seconds, size / max(seconds, 1e-9) / 1e9,
+        )  # fmt: skip
+
+    @staticmethod
+    def _check_arrived(what: str, actual: int, expected: int) -> None:
+        if actual != expected:
+            raise _Refusal(
+                "checksum",
+                f"{what} arrived corrupt (xxh3_64 {actual:#018x}, sender computed {expected:#018x}); "
+                f"nothing was kept, send it again",
+            )
+
+    def _op_put(self, conn: socket.socket, header: dict, nonce: bytes) -> None:
+        incoming, what = self._incoming_replica(header)
         start = time.perf_counter()
         with incoming:
             self._reply(conn, nonce, {})  # go ahead: the file has room
             actual = wire.recv_payload(conn, incoming.view)
-            expected = wire.recv_trailer(conn)
-            if actual != expected:
-                raise _Refusal(
-                    "checksum",
-                    f"file {file} of checkpoint {checkpoint} from node {source} arrived corrupt (xxh3_64 "
-                    f"{actual:#018x}, sender computed {expected:#018x}); nothing was kept, send it again",
-                )
+            self._check_arrived(what, actual, wire.recv_trailer(conn))
             incoming.commit()
         self._reply(conn, nonce, {})
-        seconds = time.perf_counter() - start
-        log.debug(
-            "peer server of job %s: stored %s/%s/%s (%d bytes, %.3f s, %.2f GB/s)",
-            self.job_id, source, checkpoint, file, size, seconds, size / max(seconds, 1e-9) / 1e9,
-        )  # fmt: skip
+        self._stored(what, header["size"], start)
 
-    def _op_get(self, conn: socket.socket, header: dict, nonce: bytes) -> None:
+    def _served_file(self, header: dict, offset: int, length: int | None) -> OutgoingFile:
+        """The checks of a ``get`` (names; this node's own files only once committed; replicas; no
+        symlinks; the range inside the file) and, if they pass, the open range; a refusal otherwise."""
         checkpoint = _name(header["checkpoint"], "checkpoint id")
         file = _file_name(header["file"])
         source = header["source"]
@@ -335,7 +371,7 @@ class PeerServer:
             source = _name(source, "source node")
             path, what = self.layout.replica_dir(source, checkpoint) / file, f"the replica of node {source}"
         try:
-            source_file = OutgoingFile(path, header["offset"], header["length"])
+            return OutgoingFile(path, offset, length)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise _Refusal("not_found", f"no file {file} of checkpoint {checkpoint} in {what}") from None
         except ValueError as e:
@@ -344,9 +380,86 @@ class PeerServer:
             raise _Refusal(
                 "io_error", f"cannot open file {file} of checkpoint {checkpoint} in {what}: {e}"
             ) from None
-        with source_file:
+
+    def _op_get(self, conn: socket.socket, header: dict, nonce: bytes) -> None:
+        with self._served_file(header, header["offset"], header["length"]) as source_file:
             self._reply(conn, nonce, {"size": source_file.length})
             wire.send_trailer(conn, wire.send_payload(conn, source_file.view))
+
+    # --- RDMA ops (payload by RDMA, headers and trailers here) -------------------------------------------
+
+    def _endpoint(self, op: str) -> RdmaEndpoint:
+        if self.rdma is None:
+            raise _Refusal(
+                "rdma_unavailable", f"this server has no RDMA endpoint for {op}; use the TCP ops (put, get)"
+            )
+        return self.rdma
+
+    @staticmethod
+    def _expose(rdma: RdmaEndpoint, address: int, size: int, writable: bool, peer: dict) -> Exposure:
+        try:
+            return rdma.expose(address, size, writable=writable, peer=peer)
+        except VerbsError as e:
+            raise _Refusal("rdma_failed", f"RDMA setup failed on this node: {e}") from None
+
+    def _await_trailer(self, conn: socket.socket, size: int) -> int:
+        """The trailer that ends an RDMA transfer of ``size`` bytes; the connection is idle until then, so
+        the wait is io_timeout_s plus the time ``size`` bytes take at RDMA_MIN_BYTES_PER_S."""
+        conn.settimeout(self.io_timeout_s + size / RDMA_MIN_BYTES_PER_S)
+        try:
+            return wire.recv_trailer(conn)
+        finally:
+            conn.settimeout(self.io_timeout_s)
+
+    def _op_rdma_put(self, conn: socket.socket, header: dict, nonce: bytes) -> None:
+        rdma = self._endpoint("rdma_put")
+        size, peer_qp = header["size"], header["qp"]
+        if size and peer_qp is None:
+            raise _Refusal(
+                "bad_request", "an rdma_put of a non-empty file needs the sender's queue pair (qp)"
+            )
+        incoming, what = self._incoming_replica(header)
+        start = time.perf_counter()
+        with incoming:
+            exposure = None
+            try:
+                if size:
+                    exposure = self._expose(rdma, buffer_address(incoming.view), size, True, peer_qp)
+                    fields = exposure.fields
+                else:
+                    fields = {"addr": 0, "rkey": 0, "qp": None}
+                self._reply(conn, nonce, fields)  # go ahead: write the bytes, then send the trailer
+                expected = self._await_trailer(conn, size)
+            finally:
+                if exposure is not None:
+                    exposure.close()  # no RDMA write can reach the file from here on
+            self._check_arrived(what, wire.hash_view(incoming.view), expected)
+            incoming.commit()
+        self._reply(conn, nonce, {})
+        self._stored(f"{what} by RDMA", size, start)
+
+    def _op_rdma_get(self, conn: socket.socket, header: dict, nonce: bytes) -> None:
+        rdma = self._endpoint("rdma_get")
+        with self._served_file(header, 0, None) as source_file:
+            size = source_file.length
+            checksum = wire.hash_view(source_file.view)
+            exposure = None
+            try:
+                if size:
+                    exposure = self._expose(rdma, source_file.address, size, False, header["qp"])
+                    fields = exposure.fields
+                else:
+                    fields = {"addr": 0, "rkey": 0, "qp": None}
+                self._reply(conn, nonce, {"size": size, "checksum": checksum, **fields})
+                reported = self._await_trailer(conn, size)  # the reader is done with the file
+            finally:
+                if exposure is not None:
+                    exposure.close()
+        if reported != checksum:
+            log.info(
+                "peer server of job %s: a peer read %s of checkpoint %s by RDMA and got other bytes "
+                "(it keeps nothing)", self.job_id, header["file"], header["checkpoint"],
+            )  # fmt: skip
 
     def _op_commit(self, conn: socket.socket, header: dict, nonce: bytes) -> None:
         checkpoint = _name(header["checkpoint"], "checkpoint id")

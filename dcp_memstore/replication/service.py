@@ -17,6 +17,7 @@ import torch.distributed as dist
 from dcp_memstore.replication.auth import shared_secret
 from dcp_memstore.replication.peers import Peers, announce, announced_host, lookup
 from dcp_memstore.replication.placement import NodeInfo
+from dcp_memstore.replication.rdma import RdmaTransport
 from dcp_memstore.replication.replicator import Replicator
 from dcp_memstore.replication.select import choose_transport
 from dcp_memstore.replication.server import CommitHandler, PeerServer
@@ -67,7 +68,16 @@ class ReplicationService:
         self.replicator: Replicator | None = None
         self.control = TcpTransport(layout.job_id, self.secret, io_timeout_s)
         self._data = choose_transport(layout.job_id, self.secret, transport, io_timeout_s) if k else None
-        self.server = PeerServer(layout, layout.job_id, self.secret, bind_host, on_commit=on_commit)
+        endpoint = self._data.endpoint() if isinstance(self._data, RdmaTransport) else None
+        try:  # a node that sends by RDMA also receives by RDMA
+            self.server = PeerServer(
+                layout, layout.job_id, self.secret, bind_host, on_commit=on_commit, rdma=endpoint
+            )
+        except BaseException:
+            for resource in (endpoint, self._data, self.control):
+                if resource is not None:
+                    resource.close()
+            raise
         host, port = self.server.address
         announce(self._store, layout.job_id, node.rank, (announced_host(host), port))
         if k and node.multi_node:

@@ -51,7 +51,9 @@ def format_peer(peer: PeerAddress) -> str:
 
 class ReplicationError(RuntimeError):
     """A peer refused or failed a request; ``code`` says what kind of failure (``auth``, ``not_found``,
-    ``no_space``, ``checksum``, ``too_large``, ``bad_request``, ``busy``, ``io_error``, ``protocol``)."""
+    ``no_space``, ``checksum``, ``too_large``, ``bad_request``, ``busy``, ``io_error``, ``protocol``; RDMA:
+    ``rdma`` (a work completion failed), ``rdma_unavailable`` (the peer has no RDMA endpoint),
+    ``rdma_failed`` (setting up RDMA failed on the peer before any byte moved))."""
 
     def __init__(self, peer: PeerAddress, code: str, message: str) -> None:
         self.peer, self.code = peer, code

@@ -21,6 +21,14 @@ Conversations (one or more per connection; every request is authenticated, see `
                                                           -> reply {next_seq}
             phase "prepare" carries the manifest (``digest``: its SHA-256, covered by the request's MAC);
             "commit" and "abort" carry no payload (size 0).
+    rdma_put: request {source, checkpoint, file, size, qp}  -> reply {addr, rkey, qp} (go-ahead or refusal)
+          (the sender RDMA-writes the bytes), trailer     -> reply (stored, or refused: checksum, ...)
+    rdma_get: request {checkpoint, file, source, qp}      -> reply {size, addr, rkey, qp, checksum}
+          (the receiver RDMA-reads the bytes), trailer (its checksum: done, the file is released)
+
+``qp`` is a queue pair's connection details (``QP_INFO``: qp_num, lid, gid, psn, mtu, rd_atomic), nil when
+no byte moves (size 0). Only payload bytes move by RDMA (``rdma``); these headers stay on the authenticated
+TCP connection. A server without RDMA refuses both ops with code ``rdma_unavailable``.
 
 The ``put`` go-ahead costs one round trip per file, and in exchange a refused file (no space, too large,
 bad name, unauthenticated) is refused before any of its bytes travel.
@@ -76,6 +84,25 @@ def _float(v: Any) -> bool:
     return type(v) is float
 
 
+def _u32(v: Any) -> bool:
+    return type(v) is int and 0 <= v < 1 << 32
+
+
+# A queue pair's connection details (rdma_verbs.QPInfo): exact keys and ranges.
+QP_INFO: dict[str, Callable[[Any], bool]] = {
+    "qp_num": lambda v: type(v) is int and 0 < v < 1 << 24,
+    "lid": lambda v: type(v) is int and 0 <= v < 1 << 16,
+    "gid": lambda v: type(v) is bytes and len(v) == 16,
+    "psn": lambda v: type(v) is int and 0 <= v < 1 << 24,
+    "mtu": lambda v: type(v) is int and 1 <= v <= 5,  # IBV_MTU_256 .. IBV_MTU_4096
+    "rd_atomic": lambda v: type(v) is int and 1 <= v <= 255,
+}
+
+
+def _qp_info(v: Any) -> bool:
+    return type(v) is dict and v.keys() == QP_INFO.keys() and all(QP_INFO[k](v[k]) for k in QP_INFO)
+
+
 def _file_sizes(v: Any) -> bool:
     return type(v) is dict and all(_str(k) and _uint(s) for k, s in v.items())
 
@@ -86,6 +113,8 @@ def _replica_files(v: Any) -> bool:
 
 _TYPE_NAMES = {
     _uint: "an unsigned 64-bit int",
+    _u32: "an unsigned 32-bit int",
+    _qp_info: "a map of queue pair details (qp_num, lid, gid, psn, mtu, rd_atomic) in range",
     _str: "a str",
     _bytes: "bytes",
     _bool: "a bool",
@@ -133,6 +162,8 @@ REQUESTS: dict[str, dict[str, Callable[[Any], bool]]] = {
         "size": _uint,
         "digest": _bytes,
     },
+    "rdma_put": {"source": _str, "checkpoint": _str, "file": _str, "size": _uint, "qp": _optional(_qp_info)},
+    "rdma_get": {"checkpoint": _str, "file": _str, "source": _optional(_str), "qp": _qp_info},
 }
 
 # Fields of a successful reply, by op, besides "ok", "re" (the request's nonce) and "mac".
@@ -142,6 +173,9 @@ REPLIES: dict[str, dict[str, Callable[[Any], bool]]] = {
     "put": {},
     "get": {"size": _uint},
     "commit": {"next_seq": _uint},
+    "rdma_put": {"addr": _uint, "rkey": _u32, "qp": _optional(_qp_info)},  # the go-ahead
+    "rdma_put_stored": {},  # the second reply to rdma_put: verified and kept
+    "rdma_get": {"size": _uint, "addr": _uint, "rkey": _u32, "qp": _optional(_qp_info), "checksum": _uint},
 }
 
 _TRAILER = {"op": _str, "checksum": _uint}
@@ -278,6 +312,15 @@ def recv_payload(sock: socket.socket, view: memoryview) -> int:
                 )
             got += k
         h.update(piece)
+    return h.intdigest()
+
+
+def hash_view(view: memoryview) -> int:
+    """xxh3-64 of the bytes of ``view`` (hashed in CHUNK pieces), the checksum the trailers carry."""
+    view = view.cast("B") if view.format != "B" else view
+    h = xxhash.xxh3_64()
+    for off in range(0, len(view), CHUNK):
+        h.update(view[off : off + CHUNK])
     return h.intdigest()
 
 

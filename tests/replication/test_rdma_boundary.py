@@ -1,23 +1,25 @@
-"""The RDMA transport up to the device boundary, and transport selection.
+"""The RDMA device handling up to the device boundary, and transport selection.
 
 This machine has no RDMA hardware and no pyverbs: the real-environment tests check that RDMA is reported
-absent and TCP is chosen. The rest inject a FAKE ``pyverbs`` module (a mock standing in for hardware we do
-not have) to exercise the code paths that a real device would take; they verify our control flow, not
-pyverbs or any device."""
+absent and TCP is chosen, with the reason logged once. The rest inject a FAKE ``pyverbs`` module
+(``fake_pyverbs``: a mock standing in for hardware we do not have) to exercise what a real device would
+take: listing, opening, port and GID choice, closing, and the fallback order; they verify our control flow,
+not pyverbs or any device. Data transfers are in ``test_rdma_transfer.py``."""
 
 from __future__ import annotations
 
 import logging
 import sys
-import types
 
 import pytest
 
 from dcp_memstore.replication import rdma
 from dcp_memstore.replication.auth import new_secret
 from dcp_memstore.replication.rdma import RdmaTransport, rdma_devices
+from dcp_memstore.replication.rdma_verbs import gid_to_bytes, gid_to_text
 from dcp_memstore.replication.select import choose_transport
 from dcp_memstore.replication.tcp import TcpTransport
+from tests.replication.fake_pyverbs import ROCE_GIDS, ZERO_GID, E, Fabric, install
 
 JOB = "job"
 SELECT_LOGGER = "dcp_memstore.replication.select"
@@ -94,86 +96,39 @@ def test_pyverbs_missing_is_reported(monkeypatch: pytest.MonkeyPatch, secret: by
 
 
 # ---------------------------------------------------------------------------------------------------------
-# MOCK: a fake pyverbs, standing in for RDMA hardware this machine does not have.
+# MOCK: a fake pyverbs (tests/replication/fake_pyverbs.py), standing in for RDMA hardware this machine does
+# not have. These check our device handling and selection against it, not pyverbs or any device.
 # ---------------------------------------------------------------------------------------------------------
 
 
-class FakeState:
-    def __init__(self, devices: list[bytes], open_error: Exception | None = None) -> None:
-        self.devices, self.open_error = devices, open_error
-        self.opened: list[str] = []
-        self.closed: list[str] = []
-
-
-def install_fake_pyverbs(monkeypatch: pytest.MonkeyPatch, state: FakeState) -> None:
-    """Inject a fake ``pyverbs`` package (MOCK, not the real library) mirroring the documented API:
-    ``pyverbs.device.get_device_list()`` -> objects with a bytes ``name``; ``Context(name=...)``;
-    ``pyverbs.pd.PD(ctx)``; ``close()`` on both."""
-
-    class Device:
-        def __init__(self, name: bytes) -> None:
-            self.name = name
-
-    class Context:
-        def __init__(self, **kwargs: object) -> None:
-            if state.open_error is not None:
-                raise state.open_error
-            self.name = kwargs["name"]
-            state.opened.append(f"ctx:{self.name}")
-
-        def close(self) -> None:
-            state.closed.append(f"ctx:{self.name}")
-
-    class PD:
-        def __init__(self, ctx: Context) -> None:
-            self.ctx = ctx
-            state.opened.append(f"pd:{ctx.name}")
-
-        def close(self) -> None:
-            state.closed.append(f"pd:{self.ctx.name}")
-
-    pkg = types.ModuleType("pyverbs")
-    pkg.__path__ = []  # a package, so submodule imports resolve through sys.modules
-    device = types.ModuleType("pyverbs.device")
-    device.get_device_list = lambda: [Device(n) for n in state.devices]
-    device.Context = Context
-    pd = types.ModuleType("pyverbs.pd")
-    pd.PD = PD
-    pkg.device, pkg.pd = device, pd
-    monkeypatch.setitem(sys.modules, "pyverbs", pkg)
-    monkeypatch.setitem(sys.modules, "pyverbs.device", device)
-    monkeypatch.setitem(sys.modules, "pyverbs.pd", pd)
-
-
-def test_fake_device_auto_probes_rdma_but_keeps_tcp_until_rdma_moves_data(
+def test_fake_device_auto_picks_rdma_and_says_so_once(
     monkeypatch: pytest.MonkeyPatch, secret: bytes, caplog: pytest.LogCaptureFixture
 ) -> None:
-    state = FakeState([b"mlx5_0", b"mlx5_1"])
-    install_fake_pyverbs(monkeypatch, state)
+    fabric = install(monkeypatch, Fabric((b"mlx5_0", b"mlx5_1")))
     caplog.set_level(logging.INFO, logger=SELECT_LOGGER)
     assert rdma_devices() == ["mlx5_0", "mlx5_1"]
-    auto = choose_transport(JOB, secret)
-    assert isinstance(auto, TcpTransport)
-    assert state.opened == ["ctx:mlx5_0", "pd:mlx5_0"] and state.closed == ["pd:mlx5_0", "ctx:mlx5_0"]
-    lines = [r.getMessage() for r in caplog.records if r.name == SELECT_LOGGER]
-    assert len(lines) == 1 and "not implemented in this release" in lines[0]
+    auto = choose_transport(JOB, secret, timeout_s=7.0)
+    assert isinstance(auto, RdmaTransport)
+    assert auto.device_name == "mlx5_0" and auto.timeout_s == 7.0 and auto.tcp.timeout_s == 7.0
+    assert fabric.opened == ["ctx:mlx5_0", "pd:mlx5_0"] and fabric.closed == []
+    lines = [r for r in caplog.records if r.name == SELECT_LOGGER]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO
+    assert "RDMA" in lines[0].getMessage() and "mlx5_0" in lines[0].getMessage()
+    endpoint = auto.endpoint()  # a server sharing the device keeps it open
     auto.close()
-    state.opened.clear()
-    state.closed.clear()
+    auto.close()  # idempotent
+    assert fabric.closed == []
+    endpoint.close()
+    assert fabric.closed == ["pd:mlx5_0", "ctx:mlx5_0"] and fabric.bugs == []
     t = choose_transport(JOB, secret, prefer="rdma")
     assert isinstance(t, RdmaTransport)
-    assert t.device_name == "mlx5_0" and state.opened == ["ctx:mlx5_0", "pd:mlx5_0"]
-    # Data transfer is honestly not implemented.
-    with pytest.raises(NotImplementedError, match="not implemented in this release.*TCP"):
-        t.stat(("127.0.0.1", 1), "step-1")
     t.close()
-    t.close()  # idempotent
-    assert state.closed == ["pd:mlx5_0", "ctx:mlx5_0"]
+    with pytest.raises(RuntimeError, match="closed"):
+        t.stat(("127.0.0.1", 1), "step-1")
 
 
 def test_fake_device_named(monkeypatch: pytest.MonkeyPatch, secret: bytes) -> None:
-    state = FakeState([b"mlx5_0", b"mlx5_1"])
-    install_fake_pyverbs(monkeypatch, state)
+    install(monkeypatch, Fabric((b"mlx5_0", b"mlx5_1")))
     with RdmaTransport(JOB, secret, device="mlx5_1") as t:
         assert t.device_name == "mlx5_1"
     with pytest.raises(RuntimeError, match="device 'mlx5_9' not found"):
@@ -183,8 +138,7 @@ def test_fake_device_named(monkeypatch: pytest.MonkeyPatch, secret: bytes) -> No
 def test_fake_open_failure_falls_back_to_tcp(
     monkeypatch: pytest.MonkeyPatch, secret: bytes, caplog: pytest.LogCaptureFixture
 ) -> None:
-    state = FakeState([b"mlx5_0"], open_error=OSError("Failed to open device mlx5_0: EPERM"))
-    install_fake_pyverbs(monkeypatch, state)
+    install(monkeypatch, Fabric(open_error=OSError("Failed to open device mlx5_0: EPERM")))
     caplog.set_level(logging.INFO, logger=SELECT_LOGGER)
     t = choose_transport(JOB, secret)
     assert isinstance(t, TcpTransport)
@@ -196,10 +150,22 @@ def test_fake_open_failure_falls_back_to_tcp(
         choose_transport(JOB, secret, prefer="rdma")
 
 
+def test_fake_port_down_falls_back_to_tcp(
+    monkeypatch: pytest.MonkeyPatch, secret: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    fabric = install(monkeypatch, Fabric(port_state=1))
+    caplog.set_level(logging.INFO, logger=SELECT_LOGGER)
+    t = choose_transport(JOB, secret)
+    assert isinstance(t, TcpTransport)
+    lines = [r.getMessage() for r in caplog.records if r.name == SELECT_LOGGER]
+    assert len(lines) == 1 and "port 1 of RDMA device 'mlx5_0' is not active" in lines[0]
+    assert fabric.opened == ["ctx:mlx5_0", "pd:mlx5_0"] and fabric.closed == ["pd:mlx5_0", "ctx:mlx5_0"]
+
+
 def test_fake_pyverbs_without_devices(
     monkeypatch: pytest.MonkeyPatch, secret: bytes, caplog: pytest.LogCaptureFixture
 ) -> None:
-    install_fake_pyverbs(monkeypatch, FakeState([]))
+    install(monkeypatch, Fabric(()))
     caplog.set_level(logging.INFO, logger=SELECT_LOGGER)
     assert rdma_devices() == []
     assert isinstance(choose_transport(JOB, secret), TcpTransport)
@@ -207,3 +173,38 @@ def test_fake_pyverbs_without_devices(
     assert len(lines) == 1 and "no RDMA device found" in lines[0]
     with pytest.raises(RuntimeError, match="lists no RDMA device"):
         RdmaTransport(JOB, secret)
+
+
+@pytest.mark.parametrize(
+    ("link_layer", "gids", "wanted", "index"),
+    [
+        (E.IBV_LINK_LAYER_INFINIBAND, None, None, 0),  # IB: the port GID
+        (E.IBV_LINK_LAYER_ETHERNET, None, None, 3),  # RoCE: the v2 IPv4-mapped entry first
+        (E.IBV_LINK_LAYER_ETHERNET, ROCE_GIDS[:2], None, 1),  # RoCE without IPv4: the v2 entry
+        (E.IBV_LINK_LAYER_ETHERNET, None, 2, 2),  # as configured
+        (E.IBV_LINK_LAYER_INFINIBAND, [], None, 0),  # IB without GIDs: LID routing (zero GID)
+    ],
+)
+def test_fake_gid_choice(
+    monkeypatch: pytest.MonkeyPatch,
+    secret: bytes,
+    link_layer: int,
+    gids: list | None,
+    wanted: int | None,
+    index: int,
+) -> None:
+    fabric = install(monkeypatch, Fabric(link_layer=link_layer, gids=gids))
+    with RdmaTransport(JOB, secret, gid_index=wanted) as t:
+        assert t.device.gid_index == index
+        expected = gid_to_bytes(fabric.gids[index][0]) if fabric.gids[index][0] != ZERO_GID else bytes(16)
+        assert t.device.gid == expected
+        assert gid_to_text(t.device.gid) == fabric.gids[index][0]
+
+
+def test_fake_roce_without_gid_or_empty_gid_refused(monkeypatch: pytest.MonkeyPatch, secret: bytes) -> None:
+    install(monkeypatch, Fabric(link_layer=E.IBV_LINK_LAYER_ETHERNET, gids=[]))
+    with pytest.raises(RuntimeError, match="has no valid GID"):
+        RdmaTransport(JOB, secret)
+    install(monkeypatch, Fabric(link_layer=E.IBV_LINK_LAYER_ETHERNET))
+    with pytest.raises(RuntimeError, match="GID 5 of port 1 .* is empty"):
+        RdmaTransport(JOB, secret, gid_index=5)

@@ -99,8 +99,6 @@ def test_commit_that_cannot_reach_a_node_fails_the_save_and_keeps_the_previous(s
 
 
 def test_replication_options_checked_before_anything(shm_dir):
-    with pytest.raises(ValueError, match="RDMA data transfer is not in this release"):
-        MemStore(shm_dir, "j", transport="rdma")
     with pytest.raises(ValueError, match="transport must be one of"):
         MemStore(shm_dir, "j", transport="udp")
     with pytest.raises(ValueError, match="replicas must be an int >= 0"):

@@ -19,6 +19,7 @@ from dcp_memstore.errors import InsufficientSpaceError
 from dcp_memstore.replication import PeerServer, ReplicationError, TcpTransport, wire
 from dcp_memstore.replication.auth import new_secret, sign_request
 from dcp_memstore.store.layout import COMMITTED, StoreLayout, shard_name
+from tests.replication.concurrent_puts import check_concurrent_puts
 
 JOB = "job"
 MiB = 1 << 20
@@ -174,28 +175,9 @@ def test_stat_lists_own_and_replica_files(server, transport, local, peer_root):
 
 
 def test_concurrent_puts_from_several_threads(server, secret, local, peer_root):
-    files = {f"f{i}": os.urandom(MiB + i * 1000) for i in range(8)}
-    paths = {n: make_file(local, "step-1", n, d) for n, d in files.items()}
-    errors: list[BaseException] = []
     transport = TcpTransport(JOB, secret, timeout_s=10)
-
-    def push(name: str, node: str) -> None:
-        try:
-            transport.put_file(server.address, node, "step-1", name, paths[name])
-        except BaseException as e:  # reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=push, args=(n, node)) for n in files for node in ("node0", "node1")]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors
-    peer = StoreLayout(peer_root, JOB)
-    for node in ("node0", "node1"):
-        for name, data in files.items():
-            assert (peer.replica_dir(node, "step-1") / name).read_bytes() == data
-    assert len(files_under(peer_root)) == 16  # no temporaries left
+    files = {f"f{i}": os.urandom(MiB + i * 1000) for i in range(8)}
+    check_concurrent_puts(transport, server.address, local, peer_root, JOB, files)
 
 
 def test_ping_and_several_requests_on_one_connection(server, secret):
