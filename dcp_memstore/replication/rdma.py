@@ -196,6 +196,18 @@ class RdmaEndpoint:
             self.device.release()
 
 
+SETUP_FAILURES_FOR_TCP = 3  # RDMA setup failures with a peer before it is served over TCP for good
+
+
+class _UseTcp:
+    """Set by ``RdmaTransport._fallback_to_tcp`` when the transfer must be redone over TCP."""
+
+    value = False
+
+    def __bool__(self) -> bool:
+        return self.value
+
+
 class _Fallback(Exception):
     """This transfer goes over TCP: ``reason`` says why; ``peer_lacks_rdma``: for every later one too."""
 
@@ -232,6 +244,8 @@ class RdmaTransport(Transport):
         self.device_name, self.port = self.device.name, port
         self._lock = threading.Lock()
         self._tcp_peers: dict[PeerAddress, str] = {}
+        self._rdma_worked: set[PeerAddress] = set()  # peers that completed a transfer by RDMA
+        self._setup_failures: dict[PeerAddress, int] = {}
         self._local_failure_logged = False
         self._closed = False
 
@@ -263,10 +277,10 @@ class RdmaTransport(Transport):
         file = validate_file_name(file)
         peer = (peer_addr[0], int(peer_addr[1]))
         if not self._peer_over_tcp(peer):
-            try:
-                return self._put(peer, source_node, checkpoint, file, Path(path))
-            except _Fallback as f:
-                self._fell_back(peer, f)
+            with self._fallback_to_tcp(peer) as use_tcp:
+                self._put(peer, source_node, checkpoint, file, Path(path))
+            if not use_tcp:
+                return
         self.tcp.put_file(peer, source_node, checkpoint, file, path)
 
     def get_file(
@@ -283,10 +297,10 @@ class RdmaTransport(Transport):
             source_node = validate_name(source_node, "source node")
         peer = (peer_addr[0], int(peer_addr[1]))
         if not self._peer_over_tcp(peer):
-            try:
-                return self._get(peer, checkpoint, file, Path(dest_path), source_node)
-            except _Fallback as f:
-                self._fell_back(peer, f)
+            with self._fallback_to_tcp(peer) as use_tcp:
+                self._get(peer, checkpoint, file, Path(dest_path), source_node)
+            if not use_tcp:
+                return
         self.tcp.get_file(peer, checkpoint, file, dest_path, source_node)
 
     def close(self) -> None:
@@ -465,6 +479,31 @@ class RdmaTransport(Transport):
             pause = min(_POLL_PAUSE_MAX_S, pause * 2 or 2e-5)
         return h.intdigest() if h is not None else 0
 
+    @contextlib.contextmanager
+    def _fallback_to_tcp(self, peer: PeerAddress) -> Iterator[_UseTcp]:
+        """Run one RDMA transfer; the yielded flag turns true if it must be redone over TCP: a fallback
+        (the peer has no RDMA, or setup failed before any byte moved), or an error completion with a peer
+        that never completed an RDMA transfer (the RDMA fabric does not reach it, though TCP does; that
+        peer then gets TCP for good)."""
+        use_tcp = _UseTcp()
+        try:
+            yield use_tcp
+        except _Fallback as f:
+            self._fell_back(peer, f)
+            use_tcp.value = True
+            return
+        except ReplicationError as e:
+            with self._lock:
+                worked = peer in self._rdma_worked
+            if e.code != "rdma" or worked:
+                raise
+            self._fell_back(peer, _Fallback(f"RDMA does not reach this peer ({e})", peer_lacks_rdma=True))
+            use_tcp.value = True
+            return
+        with self._lock:
+            self._rdma_worked.add(peer)
+            self._setup_failures.pop(peer, None)
+
     def _peer_over_tcp(self, peer: PeerAddress) -> bool:
         with self._lock:
             return peer in self._tcp_peers
@@ -473,6 +512,12 @@ class RdmaTransport(Transport):
         """Log why a transfer goes over TCP: once per peer that has no RDMA, once per transport for setup
         failures (then at DEBUG)."""
         with self._lock:
+            if not f.peer_lacks_rdma:  # a setup failure; repeated ones make the peer TCP-only
+                failures = self._setup_failures[peer] = self._setup_failures.get(peer, 0) + 1
+                if failures >= SETUP_FAILURES_FOR_TCP and peer not in self._rdma_worked:
+                    f = _Fallback(
+                        f"RDMA setup failed {failures} times, last: {f.reason}", peer_lacks_rdma=True
+                    )
             if f.peer_lacks_rdma:
                 first = peer not in self._tcp_peers
                 self._tcp_peers[peer] = f.reason

@@ -67,7 +67,11 @@ class ReplicationService:
         self._lock = threading.Lock()
         self.replicator: Replicator | None = None
         self.control = TcpTransport(layout.job_id, self.secret, io_timeout_s)
-        self._data = choose_transport(layout.job_id, self.secret, transport, io_timeout_s) if k else None
+        try:
+            self._data = choose_transport(layout.job_id, self.secret, transport, io_timeout_s) if k else None
+        except BaseException:
+            self.control.close()
+            raise
         endpoint = self._data.endpoint() if isinstance(self._data, RdmaTransport) else None
         try:  # a node that sends by RDMA also receives by RDMA
             self.server = PeerServer(

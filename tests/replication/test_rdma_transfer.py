@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import socket
 import threading
 import time
@@ -82,6 +83,16 @@ def released(fabric, server, transport) -> Iterator[None]:
     server.close()
     transport.close()
     assert fabric.live == set() and fabric.bugs == []
+
+
+@pytest.fixture
+def rdma_proven(fabric, server, transport, local, peer_root) -> None:
+    """One transfer to the server completed by RDMA first: error completions with this peer are errors
+    from then on (with a peer RDMA never reached, the transport goes over TCP instead)."""
+    src = make_file(local, "warm", "w", b"w" * 10)
+    transport.put_file(server.address, "node0", "warm", "w", src)
+    assert transport.tcp_peers() == {}
+    shutil.rmtree(StoreLayout(peer_root, JOB).replicas_dir)
 
 
 def make_file(layout: StoreLayout, checkpoint: str, name: str, data: bytes) -> Path:
@@ -223,9 +234,9 @@ def test_stat_and_ping_go_over_tcp(fabric, server, transport, local):
 
 @pytest.mark.parametrize("status", ["IBV_WC_RETRY_EXC_ERR", "IBV_WC_REM_ACCESS_ERR"])
 def test_completion_error_on_put_leaves_no_file(
-    fabric, server, transport, local, peer_root, released, status
+    fabric, server, transport, local, peer_root, released, rdma_proven, status
 ):
-    fabric.fail_status, fabric.fail_after = getattr(E, status), 3
+    fabric.fail_status, fabric.fail_after = getattr(E, status), 3 + len(fabric.ops)  # after the warm-up
     src = make_file(local, "step-1", "f", os.urandom(6 * PIECE))
     with pytest.raises(ReplicationError, match=rf"127\.0\.0\.1:{server.address[1]}.*{status}") as e:
         transport.put_file(server.address, "node0", "step-1", "f", src)
@@ -236,7 +247,9 @@ def test_completion_error_on_put_leaves_no_file(
     assert (StoreLayout(peer_root, JOB).replica_dir("node0", "step-1") / "f").read_bytes() == src.read_bytes()
 
 
-def test_completion_error_on_get_leaves_no_file(fabric, server, transport, local, peer_root, released):
+def test_completion_error_on_get_leaves_no_file(
+    fabric, server, transport, local, peer_root, released, rdma_proven
+):
     make_file(StoreLayout(peer_root, JOB), "step-1", "f", os.urandom(4 * PIECE))
     make_file(StoreLayout(peer_root, JOB), "step-1", COMMITTED, b"")
     fabric.fail_status = E.IBV_WC_RETRY_EXC_ERR
@@ -244,6 +257,27 @@ def test_completion_error_on_get_leaves_no_file(fabric, server, transport, local
         transport.get_file(server.address, "step-1", "f", local.job_dir / "x")
     assert e.value.code == "rdma"
     assert fetched(local) == []
+
+
+@pytest.mark.parametrize("op", ["put", "get"])
+def test_peer_rdma_never_reaches_goes_over_tcp(fabric, server, transport, local, peer_root, op):
+    """Both ends have RDMA but the first transfer ends in an error completion (the fabric does not reach
+    the peer, while TCP does): it is redone over TCP, and that peer is served over TCP from then on."""
+    fabric.fail_status, fabric.fail_after = E.IBV_WC_RETRY_EXC_ERR, 0
+    data = os.urandom(3 * PIECE)
+    make_file(StoreLayout(peer_root, JOB), "s", "f", data)
+    make_file(StoreLayout(peer_root, JOB), "s", COMMITTED, b"")
+    src = make_file(local, "s", "g", data)
+    if op == "put":
+        transport.put_file(server.address, "node0", "s", "g", src)
+        assert (StoreLayout(peer_root, JOB).replica_dir("node0", "s") / "g").read_bytes() == data
+    else:
+        transport.get_file(server.address, "s", "f", local.job_dir / "x")
+        assert (local.job_dir / "x").read_bytes() == data
+    assert "RDMA does not reach this peer" in transport.tcp_peers()[server.address]
+    ops = len(fabric.ops)
+    transport.put_file(server.address, "node0", "s", "again", src)  # TCP now: no RDMA work posted
+    assert len(fabric.ops) == ops
 
 
 @pytest.mark.parametrize("op", ["put", "get"])
@@ -270,8 +304,9 @@ def test_never_completing_work_times_out(fabric, secret, server, local, peer_roo
 @pytest.mark.parametrize("op", ["rdma_put", "rdma_get"])
 @pytest.mark.parametrize("change", ["rkey", "addr", "end"], ids=["wrong-rkey", "addr+1", "past-the-end"])
 def test_wrong_rkey_or_range_refused_by_the_adapter(
-    fabric, monkeypatch, server, transport, local, peer_root, released, op, change
+    fabric, monkeypatch, server, transport, local, peer_root, released, rdma_proven, op, change
 ):
+    ops_before = len(fabric.ops)
     size = 4 * PIECE
     alter = {
         "rkey": lambda r: {**r, "rkey": r["rkey"] ^ 0x40},
@@ -290,7 +325,7 @@ def test_wrong_rkey_or_range_refused_by_the_adapter(
     assert e.value.code == "rdma"
     assert fetched(local) == []
     wait_for(lambda: no_replicas(peer_root))
-    assert len(fabric.ops) < 4  # the piece out of range (or all, with a wrong rkey) never moved
+    assert len(fabric.ops) - ops_before < 4  # the piece out of range (or all, with a wrong rkey) never moved
 
 
 def test_corrupt_trailer_or_announced_checksum_keeps_nothing(
