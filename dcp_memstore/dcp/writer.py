@@ -39,6 +39,7 @@ from dcp_memstore.store.ids import validate_name
 from dcp_memstore.store.layout import MANIFEST, StoreLayout, parse_slot
 from dcp_memstore.store.manifest import Manifest, ManifestItem
 from dcp_memstore.store.mapping import MAPPINGS
+from dcp_memstore.store.records import write_atomic
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -223,11 +224,12 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         ]
         manifest = Manifest(self.checkpoint_id, len(results), items, encode_metadata(metadata))
         directory = layout.checkpoint_dir(self.checkpoint_id)
-        manifest.write(directory / MANIFEST)
+        encoded = manifest.encode()
+        write_atomic(directory / MANIFEST, encoded)
         crash_point("before-commit", self.rank)
         record = CommitRecord(self.checkpoint_id, catalog.next_seq(layout), time.time(), manifest.nbytes)
         try:  # other nodes: prepared (invisible) first, committed only after this node commits
-            record = self.store.prepare_everywhere(record, (directory / MANIFEST).read_bytes())
+            record = self.store.prepare_everywhere(record, encoded)
         except BaseException:
             catalog.discard(layout, directory)
             raise

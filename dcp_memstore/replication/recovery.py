@@ -17,23 +17,12 @@ from dcp_memstore.replication.cluster_read import ClusterCheckpoint
 from dcp_memstore.replication.peers import Peers, node_name
 from dcp_memstore.replication.replicator import ReplicaRecords, manifest_files, node_files, to
 from dcp_memstore.replication.tcp import TcpTransport
+from dcp_memstore.replication.transport import list_files
 from dcp_memstore.store import catalog
 from dcp_memstore.store.layout import StoreLayout, file_rank
 from dcp_memstore.store.threads import run_parallel
 
 log = logging.getLogger(__name__)
-
-
-def _list(directory: str) -> dict[str, int]:
-    out = {}
-    try:
-        entries = list(os.scandir(directory))
-    except (FileNotFoundError, NotADirectoryError):
-        return out
-    for e in entries:
-        if e.is_file(follow_symlinks=False) and not e.name.startswith("."):
-            out[e.name] = e.stat(follow_symlinks=False).st_size
-    return out
 
 
 def inventory(layout: StoreLayout) -> dict:
@@ -52,7 +41,7 @@ def inventory(layout: StoreLayout) -> dict:
         sources = []
     for src in sources:
         for ck in list(os.scandir(src.path)) if src.is_dir() else []:
-            files = _list(ck.path)
+            files = list_files(ck.path)
             if files:
                 replicas.setdefault(src.name, {})[ck.name] = files
     return {"committed": committed, "own": own, "replicas": replicas}

@@ -33,7 +33,6 @@ import hashlib
 import logging
 import os
 import socket
-import stat
 import threading
 import time
 from collections.abc import Callable
@@ -47,6 +46,7 @@ from dcp_memstore.replication.rdma_verbs import VerbsError, buffer_address
 from dcp_memstore.replication.transport import (
     IncomingFile,
     OutgoingFile,
+    list_files,
     remove_stale_parts,
 )
 from dcp_memstore.store.ids import validate_file_name, validate_name
@@ -94,25 +94,6 @@ def _file_name(value: str) -> str:
         return validate_file_name(value)
     except ValueError as e:
         raise _Refusal("bad_request", str(e)) from None
-
-
-def _list_files(directory: Path) -> dict[str, int]:
-    """Regular files with valid names directly in ``directory`` and their sizes (temporaries, markers in
-    subdirectories and anything else left out)."""
-    files = {}
-    try:
-        entries = list(os.scandir(directory))
-    except (FileNotFoundError, NotADirectoryError):
-        return files
-    for e in entries:
-        try:
-            validate_file_name(e.name)
-            st = e.stat(follow_symlinks=False)
-        except (ValueError, FileNotFoundError):
-            continue
-        if stat.S_ISREG(st.st_mode):
-            files[e.name] = st.st_size
-    return files
 
 
 class PeerServer:
@@ -301,10 +282,10 @@ class PeerServer:
             for e in os.scandir(self.layout.replicas_dir):
                 with contextlib.suppress(ValueError):
                     validate_name(e.name, "source node")
-                    files = _list_files(Path(e.path) / checkpoint)
+                    files = list_files(Path(e.path) / checkpoint)
                     if files:
                         replicas[e.name] = files
-        own = _list_files(own_dir)
+        own = list_files(own_dir)
         self._reply(conn, nonce, {"own": own, "committed": COMMITTED in own, "replicas": replicas})
 
     def _incoming_replica(self, header: dict) -> tuple[IncomingFile, str]:

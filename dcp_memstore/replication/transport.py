@@ -17,12 +17,14 @@ import ctypes
 import mmap
 import os
 import re
+import stat
 import uuid
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
 from dcp_memstore.store.checksum import memory_view
+from dcp_memstore.store.ids import validate_file_name
 from dcp_memstore.store.mapping import MAPPINGS, MappedFile
 from dcp_memstore.store.space import allocate_file, check_space
 
@@ -225,6 +227,25 @@ class OutgoingFile:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def list_files(directory: Path | str) -> dict[str, int]:
+    """Regular files with valid names directly in ``directory`` and their sizes (hidden temporaries,
+    markers in subdirectories, symlinks and anything else left out); empty if it does not exist."""
+    files = {}
+    try:
+        entries = list(os.scandir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return files
+    for e in entries:
+        try:
+            validate_file_name(e.name)
+            st = e.stat(follow_symlinks=False)
+        except (ValueError, FileNotFoundError):
+            continue
+        if stat.S_ISREG(st.st_mode):
+            files[e.name] = st.st_size
+    return files
 
 
 def remove_stale_parts(directory: Path) -> int:

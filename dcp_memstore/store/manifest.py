@@ -11,9 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgpack
+
 from dcp_memstore.store.checksum import ALGORITHM
 from dcp_memstore.store.ids import validate_file_name
-from dcp_memstore.store.records import decode_record, read_record, write_record
+from dcp_memstore.store.records import decode_record, read_record, write_atomic
 
 FORMAT_VERSION = 1
 
@@ -110,8 +112,12 @@ class Manifest:
         ]
         return cls(str(r["checkpoint_id"]), int(r["world_size"]), items, r["dcp"], float(r["created"]))
 
+    def encode(self) -> bytes:
+        """The manifest as written to disk and sent to other nodes (msgpack)."""
+        return msgpack.packb(self.to_record(), use_bin_type=True)
+
     def write(self, path: Path) -> None:
-        write_record(path, self.to_record())
+        write_atomic(path, self.encode())
 
     @classmethod
     def decode(cls, data: bytes, checkpoint_id: str) -> Manifest:

@@ -14,24 +14,18 @@ import sys
 import pytest
 
 from dcp_memstore.replication import rdma
-from dcp_memstore.replication.auth import new_secret
 from dcp_memstore.replication.rdma import RdmaTransport, rdma_devices
 from dcp_memstore.replication.rdma_verbs import gid_to_bytes, gid_to_text
 from dcp_memstore.replication.select import choose_transport
 from dcp_memstore.replication.tcp import TcpTransport
 from tests.replication.fake_pyverbs import ROCE_GIDS, ZERO_GID, E, Fabric, install
+from tests.replication.transfer_helpers import JOB
 
-JOB = "job"
 SELECT_LOGGER = "dcp_memstore.replication.select"
 
 
 def _pyverbs_really_missing() -> bool:
     return not rdma.pyverbs_available()
-
-
-@pytest.fixture
-def secret() -> bytes:
-    return new_secret()
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -26,18 +26,12 @@ from dcp_memstore.replication.auth import new_secret, sign_request
 from dcp_memstore.replication.rdma import RdmaEndpoint, RdmaTransport
 from dcp_memstore.replication.rdma_verbs import SEND_WINDOW
 from dcp_memstore.store.layout import COMMITTED, StoreLayout, shard_name
-from tests.replication.concurrent_puts import check_concurrent_puts
 from tests.replication.fake_pyverbs import E, Fabric, install
+from tests.replication.transfer_helpers import JOB, check_concurrent_puts, files_under, make_file
 
-JOB = "job"
 KiB, MiB = 1 << 10, 1 << 20
 PIECE = 256 * KiB  # the fake port's max message size: files of a few MiB take many pieces
 RDMA_LOGGER = "dcp_memstore.replication.rdma"
-
-
-@pytest.fixture
-def secret() -> bytes:
-    return new_secret()
 
 
 @pytest.fixture
@@ -46,18 +40,6 @@ def fabric(monkeypatch: pytest.MonkeyPatch) -> Iterator[Fabric]:
     f = install(monkeypatch, Fabric(max_msg_sz=PIECE))
     yield f
     assert f.bugs == []
-
-
-@pytest.fixture
-def local(shm_dir) -> StoreLayout:
-    lay = StoreLayout(shm_dir / "local", JOB)
-    lay.ensure()
-    return lay
-
-
-@pytest.fixture
-def peer_root(shm_dir) -> Path:
-    return shm_dir / "peer"
 
 
 @pytest.fixture
@@ -93,17 +75,6 @@ def rdma_proven(fabric, server, transport, local, peer_root) -> None:
     transport.put_file(server.address, "node0", "warm", "w", src)
     assert transport.tcp_peers() == {}
     shutil.rmtree(StoreLayout(peer_root, JOB).replicas_dir)
-
-
-def make_file(layout: StoreLayout, checkpoint: str, name: str, data: bytes) -> Path:
-    d = layout.checkpoint_dir(checkpoint)
-    d.mkdir(parents=True, exist_ok=True)
-    (d / name).write_bytes(data)
-    return d / name
-
-
-def files_under(root: Path) -> list[str]:
-    return sorted(os.path.relpath(os.path.join(dp, n), root) for dp, _, names in os.walk(root) for n in names)
 
 
 def fetched(local: StoreLayout) -> list[str]:

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -19,28 +18,9 @@ from dcp_memstore.errors import InsufficientSpaceError
 from dcp_memstore.replication import PeerServer, ReplicationError, TcpTransport, wire
 from dcp_memstore.replication.auth import new_secret, sign_request
 from dcp_memstore.store.layout import COMMITTED, StoreLayout, shard_name
-from tests.replication.concurrent_puts import check_concurrent_puts
+from tests.replication.transfer_helpers import JOB, check_concurrent_puts, files_under, make_file
 
-JOB = "job"
 MiB = 1 << 20
-
-
-@pytest.fixture
-def secret() -> bytes:
-    return new_secret()
-
-
-@pytest.fixture
-def local(shm_dir) -> StoreLayout:
-    """This node's store (the sender)."""
-    lay = StoreLayout(shm_dir / "local", JOB)
-    lay.ensure()
-    return lay
-
-
-@pytest.fixture
-def peer_root(shm_dir) -> Path:
-    return shm_dir / "peer"
 
 
 @pytest.fixture
@@ -55,18 +35,6 @@ def transport(secret):
     t = TcpTransport(JOB, secret, timeout_s=10)
     yield t
     t.close()
-
-
-def make_file(layout: StoreLayout, checkpoint: str, name: str, data: bytes) -> Path:
-    d = layout.checkpoint_dir(checkpoint)
-    d.mkdir(parents=True, exist_ok=True)
-    (d / name).write_bytes(data)
-    return d / name
-
-
-def files_under(root: Path) -> list[str]:
-    """Every file below ``root`` (hidden temporaries included), relative to it."""
-    return sorted(os.path.relpath(os.path.join(dp, n), root) for dp, _, names in os.walk(root) for n in names)
 
 
 # --- a raw client, for what TcpTransport would never send ------------------------------------------

@@ -1,5 +1,5 @@
-"""Shared check for transports: many files pushed at once from several threads, to two source nodes,
-all arriving intact and with no temporaries left."""
+"""What the transport tests (TCP and RDMA) share: the job name, making and listing files, and the check
+that many files pushed at once from several threads arrive intact with no temporaries left."""
 
 from __future__ import annotations
 
@@ -10,7 +10,20 @@ from pathlib import Path
 from dcp_memstore.replication.transport import Transport
 from dcp_memstore.store.layout import StoreLayout
 
+JOB = "job"
 NODES = ("node0", "node1")
+
+
+def make_file(layout: StoreLayout, checkpoint: str, name: str, data: bytes) -> Path:
+    d = layout.checkpoint_dir(checkpoint)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / name).write_bytes(data)
+    return d / name
+
+
+def files_under(root: Path) -> list[str]:
+    """Every file below ``root`` (hidden temporaries included), relative to it."""
+    return sorted(os.path.relpath(os.path.join(dp, n), root) for dp, _, names in os.walk(root) for n in names)
 
 
 def check_concurrent_puts(
@@ -23,12 +36,7 @@ def check_concurrent_puts(
 ) -> None:
     """Write ``files`` under ``local``'s checkpoint ``step-1``, push each as a replica of both NODES from
     its own thread, and assert the peer holds exactly those bytes and nothing else."""
-    paths = {}
-    for name, data in files.items():
-        d = local.checkpoint_dir("step-1")
-        d.mkdir(parents=True, exist_ok=True)
-        (d / name).write_bytes(data)
-        paths[name] = d / name
+    paths = {name: make_file(local, "step-1", name, data) for name, data in files.items()}
     errors: list[BaseException] = []
 
     def push(name: str, node: str) -> None:
@@ -47,5 +55,5 @@ def check_concurrent_puts(
     for node in NODES:
         for name, data in files.items():
             assert (peer.replica_dir(node, "step-1") / name).read_bytes() == data
-    held = [os.path.join(dp, n) for dp, _, names in os.walk(peer_root) for n in names]
+    held = files_under(peer_root)
     assert len(held) == len(files) * len(NODES), held  # no temporaries left
