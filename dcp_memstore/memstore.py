@@ -38,6 +38,7 @@ from dcp_memstore.store.layout import MANIFEST, StoreLayout
 from dcp_memstore.store.manifest import Manifest
 from dcp_memstore.store.mapping import MAPPINGS
 from dcp_memstore.store.pool import FilePool
+from dcp_memstore.store.reserve import stop_reservations
 
 log = logging.getLogger(__name__)
 
@@ -491,6 +492,7 @@ class MemStore(ReplicatingStore):
         wait for uploads."""
         if self._closed:
             return
+        stop_reservations(self.layout)
         try:
             if self._persister is not None:
                 self._drain(timeout)

@@ -134,7 +134,7 @@ class RankWrite:
         name, size, entries = spec
         fd, reused = FilePool(self.store.layout, self.rank).claim(self.dir / name, size)
         on_gpu = any(t.device.type == "cuda" for _, _, t in entries)
-        mf = MAPPINGS.map_fd(fd, populate_write=True) if reused or on_gpu else None
+        mf = MAPPINGS.map_fd(fd) if reused or on_gpu else None
         if on_gpu:
             mf.pin_for_cuda()
         out = []

@@ -26,7 +26,13 @@ from torch.futures import Future
 from dcp_memstore.dcp.metadata_codec import decode_metadata, dtype_from_name, dtype_name
 from dcp_memstore.errors import ChecksumMismatchError
 from dcp_memstore.memstore import CheckpointSource, MemStore
-from dcp_memstore.store.checksum import checksum_bytes, checksum_memory, memory_view, read_with_checksum
+from dcp_memstore.store.checksum import (
+    checksum_bytes,
+    checksum_memory,
+    copy_with_checksum,
+    memory_view,
+    read_with_checksum,
+)
 from dcp_memstore.store.ids import validate_name
 from dcp_memstore.store.layout import MANIFEST
 from dcp_memstore.store.manifest import Manifest, ShardLocation
@@ -192,11 +198,20 @@ class MemoryStorageReader(StorageReader):
         return reads
 
     def _read_mapped(self, mf: MappedFile, reads: list[_Read], path: Path) -> None:
+        """Copy each read from the mapping. A whole item into a CPU tensor is hashed chunk by chunk as it
+        is copied (one pass over the bytes); other reads verify the stored item first, once per item."""
         verified: set[tuple[int, int]] = set()
         for r in reads:
             loc = r.loc
+            in_file = loc.offset + loc.length <= mf.size
+            unverified = self.store.verify_checksums and (loc.offset, loc.length) not in verified
+            if unverified and in_file and r.dst is not None and r.whole():
+                stored = mf.tensor(loc.offset, r.dst.dtype, loc.shape)
+                self._check(r, copy_with_checksum(r.dst, stored), path)
+                verified.add((loc.offset, loc.length))
+                continue
             if (loc.offset, loc.length) not in verified:
-                if loc.offset + loc.length > mf.size:
+                if not in_file:
                     actual = None  # the file is shorter than the manifest says
                 elif self.store.verify_checksums:
                     actual = checksum_memory(mf.address + loc.offset, loc.length)

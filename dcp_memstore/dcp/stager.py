@@ -6,6 +6,8 @@ views those files. The background save then only checksums them and renames the 
 checkpoint: no second copy. Training resumes as soon as ``stage`` returns.
 
 At most ``max_in_flight`` slots exist per job and process; ``stage`` waits for the oldest to be written.
+While the job holds fewer checkpoints than it keeps, each save also has the next one's files allocated
+in the background (``store/reserve.py``), so that only the first save pays for new tmpfs pages.
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ from dcp_memstore.dcp import state_tree
 from dcp_memstore.dcp.save_order import SaveOrder, Ticket, never_started_hint, wait_while
 from dcp_memstore.errors import StagingTimeoutError
 from dcp_memstore.memstore import MemStore
-from dcp_memstore.store.catalog import claim_owner, recycle
+from dcp_memstore.store.catalog import claim_owner, committed, recycle
 from dcp_memstore.store.device_copy import DeviceToHost
 from dcp_memstore.store.faults import crash_point
 from dcp_memstore.store.layout import shard_name, slot_name
 from dcp_memstore.store.mapping import MAPPINGS, MappedFile
 from dcp_memstore.store.packing import pack
 from dcp_memstore.store.pool import FilePool
+from dcp_memstore.store.reserve import Reservation
 from dcp_memstore.store.threads import run_parallel
 
 
@@ -65,11 +68,13 @@ class Stager:
         self.order = SaveOrder.of(str(store.layout.job_dir))
         self._lock = threading.Lock()
         self._d2h: DeviceToHost | None = None
+        self._reservation: Reservation | None = None
 
     def stage(self, state_dict: dict[str, Any]) -> tuple[dict[str, Any], Ticket]:
         """Copy ``state_dict``'s tensors into a new staging slot; return the staged state dict and its ticket."""
         with self._lock:
             rank = current_rank()
+            self.wait_reserved()  # it allocates what this save would otherwise allocate now
             self._wait_for_room()
             MAPPINGS.prune()
             originals = [t for t in state_tree.tensors(state_dict) if stageable(t)]
@@ -96,6 +101,7 @@ class Stager:
                     for t, p in zip(originals, placements, strict=True)
                 ]
                 self._copy(originals, views, placements, files)
+                self._reserve_next(rank, file_sizes, any(t.device.type == "cuda" for t in originals))
                 by_id = {id(t): v for t, v in zip(originals, views, strict=True)}
 
                 def replace(t: torch.Tensor) -> torch.Tensor:
@@ -133,6 +139,21 @@ class Stager:
                     crash_point("stage-copy", current_rank())
 
         run_parallel(copy_bin, by_bin.values(), self.store.io_threads, pool="stage")
+
+    def wait_reserved(self) -> None:
+        """Return once the files being allocated ahead of the next save, if any, are in the pool."""
+        if self._reservation is not None:
+            self._reservation.wait()
+            self._reservation = None
+
+    def _reserve_next(self, rank: int, file_sizes: list[int], gpu: bool) -> None:
+        """Have the next save's files allocated in the background if it could not reuse an evicted
+        checkpoint's: when the checkpoints committed plus the saves in flight (this one included) do not
+        exceed keep_in_memory, this save's commit evicts nothing. The job then never holds more files than
+        in steady state."""
+        held = len(committed(self.store.layout)) + len(self._active_slots())
+        if held <= self.store.keep_in_memory:
+            self._reservation = Reservation(self.store.layout, rank, file_sizes, pin_for_cuda=gpu)
 
     def _wait_for_room(self) -> None:
         """Block until fewer than max_in_flight of this job's slots (this process) are still being written."""

@@ -201,7 +201,7 @@ class OutgoingFile:
                     f"range [{offset}, {offset + self.length}) is outside {path} ({st.st_size} bytes)"
                 )
             if self.length and MAPPINGS.is_mapped((st.st_dev, st.st_ino)):
-                self._cached = MAPPINGS.map_fd(fd, populate_write=False)  # takes the descriptor
+                self._cached = MAPPINGS.map_fd(fd)  # takes the descriptor
                 fd = -1
                 self.address = self._cached.address + offset
             elif self.length:

@@ -235,8 +235,8 @@ def evict(layout: StoreLayout, keep: int) -> list[str]:
 
 def clear_abandoned(layout: StoreLayout, before: float | None = None) -> list[str]:
     """Discard uncommitted checkpoint directories whose saving process is dead, and (with ``before``) those
-    this process started before time ``before`` and never committed. Also recycles the staging slots of
-    dead processes and empties the trash."""
+    this process started before time ``before`` and never committed. Also recycles the staging slots and
+    reservation areas of dead processes and empties the trash."""
     cleared = []
     try:
         entries = list(os.scandir(layout.checkpoints_dir))
@@ -269,6 +269,9 @@ def clear_abandoned(layout: StoreLayout, before: float | None = None) -> list[st
             recycle(layout, Path(s.path))  # staged by a process that died before its save used the slot
     for t in list(os.scandir(layout.trash_dir)) if layout.trash_dir.exists() else []:
         recycle(layout, Path(t.path))
+    for area in layout.pools_dir.glob("rank*/reserve-*"):
+        if area.is_dir() and not _maker_alive(area):
+            recycle(layout, area)  # files a dead process was allocating ahead of its next save
     return cleared
 
 

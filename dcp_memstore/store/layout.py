@@ -4,6 +4,7 @@
     <root>/<job_id>/checkpoints/<checkpoint_id>/holds/<reason>   retention holds (owed uploads, replicas)
     <root>/<job_id>/staging/<slot>/                async-save staging areas (become checkpoint files)
     <root>/<job_id>/pool/rank<r>/                  shard files of evicted checkpoints, reused by rank r
+    <root>/<job_id>/pool/rank<r>/reserve-<...>/    files being allocated ahead of rank r's next save
     <root>/<job_id>/trash/                         checkpoints being evicted or cleared
     <root>/<job_id>/replicas/<node>/<checkpoint_id>/   replicas of other nodes' shard files
     <root>/<job_id>/fetched/<checkpoint_id>/       files fetched from other nodes to read them here
@@ -54,6 +55,12 @@ def file_rank(name: str) -> int | None:
 def slot_name(rank: int, pid: int, seq: int, token: str) -> str:
     """Name of the staging slot of rank ``rank``'s ``seq``-th staged save in process ``pid``."""
     return f"r{rank}-p{pid}-s{seq}-{token}"
+
+
+def reserve_name(rank: int, pid: int, token: str) -> str:
+    """Name of the directory inside rank ``rank``'s pool where process ``pid`` allocates files ahead of its
+    next save (see ``reserve.py``)."""
+    return f"reserve-r{rank}-p{pid}-{token}"
 
 
 def parse_slot(name: str) -> tuple[int, int, int] | None:

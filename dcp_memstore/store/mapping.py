@@ -23,16 +23,20 @@ log = logging.getLogger(__name__)
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 _MADV_POPULATE_READ = 22
-_MADV_POPULATE_WRITE = 23
 _libc = ctypes.CDLL(None, use_errno=True)
 _CUDA_HOST_REGISTER_PORTABLE = 1
 _pin_warned = False
 
 
-def _populate(address: int, nbytes: int, write: bool) -> None:
-    """Fault the whole range in with one call (Linux >= 5.14); a no-op where the kernel lacks it."""
-    advice = _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ
-    _libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), ctypes.c_int(advice))
+def _populate(address: int, nbytes: int) -> None:
+    """Fault the whole range in with one call (Linux >= 5.14); a no-op where the kernel lacks it.
+
+    Read faults, also for mappings that will be written: on a shared tmpfs mapping they install writable
+    page-table entries and map up to 16 already-written pages per fault (fault-around), where a write fault
+    maps one. Measured on the development VM, 1 GiB of a file written before (a reused shard file): 0.12 to
+    0.14 s, against 0.25 to 0.30 s with MADV_POPULATE_WRITE, and the copy into it afterwards costs the same.
+    Pages allocated but never written cost the same either way (each is zeroed in its own fault)."""
+    _libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), ctypes.c_int(_MADV_POPULATE_READ))
 
 
 @dataclass(eq=False)
@@ -126,8 +130,8 @@ class _MappingCache:
         self._by_key: dict[tuple[int, int], MappedFile] = {}
         self._by_address: dict[int, MappedFile] = {}
 
-    def map_fd(self, fd: int, populate_write: bool) -> MappedFile:
-        """Map the file open as ``fd`` (the cache takes ownership of ``fd``)."""
+    def map_fd(self, fd: int) -> MappedFile:
+        """Map the file open as ``fd``, its pages faulted in (the cache takes ownership of ``fd``)."""
         st = os.fstat(fd)
         key = (st.st_dev, st.st_ino)
         with self._lock:
@@ -141,16 +145,16 @@ class _MappingCache:
             os.close(fd)
             raise ValueError("cannot map an empty shard file")
         storage = torch.UntypedStorage._new_shared_fd_cpu(fd, st.st_size)
-        _populate(storage.data_ptr(), st.st_size, populate_write)
+        _populate(storage.data_ptr(), st.st_size)
         mf = MappedFile(key=key, fd=fd, size=st.st_size, storage=storage)
         with self._lock:
             self._by_key[key] = mf
             self._by_address[mf.address] = mf
         return mf
 
-    def map_path(self, path: Path | str, populate_write: bool = False) -> MappedFile:
+    def map_path(self, path: Path | str) -> MappedFile:
         """Map the file at ``path`` (cached by identity: a renamed file keeps its mapping)."""
-        return self.map_fd(os.open(path, os.O_RDWR | os.O_CLOEXEC), populate_write)
+        return self.map_fd(os.open(path, os.O_RDWR | os.O_CLOEXEC))
 
     def find(self, t: torch.Tensor) -> MappedFile | None:
         """The mapped shard file ``t`` is a view of, or None.

@@ -38,11 +38,7 @@ class FilePool:
             return []
 
     def reusable_bytes(self) -> int:
-        total = 0
-        for e in self._entries():
-            with contextlib.suppress(FileNotFoundError):
-                total += e.stat().st_size
-        return total
+        return sum(st.st_size for e in self._entries() if (st := _stat(e)) is not None)
 
     def claim(self, dest: Path, size: int) -> tuple[int, bool]:
         """Put a fully allocated file of at least ``size`` bytes at ``dest``: a pooled file that fits, else a
@@ -66,9 +62,21 @@ class FilePool:
                 os.unlink(entry.path)
         return allocate_file(dest, size), False
 
+    def unmatched(self, sizes: list[int]) -> list[int]:
+        """The sizes among ``sizes`` that no pooled file would serve (each file serving one size)."""
+        free = [st for e in self._entries() if (st := _stat(e)) is not None]
+        missing = []
+        for size in sorted((round_up(s) for s in sizes), reverse=True):
+            fits = [f for f in free if size <= f.st_size <= size * _MAX_SLACK]
+            if fits:
+                free.remove(min(fits, key=lambda f: f.st_size))
+            else:
+                missing.append(size)
+        return missing
+
     def acquire(self, dest: Path, size: int) -> MappedFile:
         """``claim`` a file and map it into this process (pages faulted in, for writing)."""
-        return MAPPINGS.map_fd(self.claim(dest, size)[0], populate_write=True)
+        return MAPPINGS.map_fd(self.claim(dest, size)[0])
 
     def release(self, path: Path) -> None:
         """Return a shard file to the pool."""
@@ -88,9 +96,8 @@ class FilePool:
         """Pooled files that fit ``size`` (those already mapped here first, then the tightest), and the rest."""
         fitting, misfits = [], []
         for e in self._entries():
-            try:
-                st = e.stat()
-            except FileNotFoundError:
+            st = _stat(e)
+            if st is None:
                 continue
             if size <= st.st_size <= size * _MAX_SLACK:
                 fitting.append((not MAPPINGS.is_mapped((st.st_dev, st.st_ino)), st.st_size, e))
@@ -99,8 +106,13 @@ class FilePool:
         return [e for *_, e in sorted(fitting, key=lambda f: f[:2])], misfits
 
 
-def _mtime(e: os.DirEntry) -> float:
+def _stat(e: os.DirEntry) -> os.stat_result | None:
     try:
-        return e.stat().st_mtime
+        return e.stat()
     except FileNotFoundError:
-        return 0.0
+        return None
+
+
+def _mtime(e: os.DirEntry) -> float:
+    st = _stat(e)
+    return st.st_mtime if st is not None else 0.0

@@ -104,3 +104,15 @@ def test_pools_are_per_rank(layout, shm_dir):
     assert FilePool(layout, 1).reusable_bytes() == 0
     FilePool(layout, 1).acquire(shm_dir / "b", 4096)
     assert os.stat(shm_dir / "b").st_ino != _pooled(FilePool(layout, 0))[0].stat().st_ino
+
+
+def test_unmatched_names_the_sizes_no_pooled_file_serves(layout, shm_dir):
+    pool = FilePool(layout, 0)
+    pool.acquire(shm_dir / "a", 64 << 10)
+    pool.acquire(shm_dir / "b", 1 << 20)
+    pool.release(shm_dir / "a")
+    pool.release(shm_dir / "b")
+    # 1 MiB serves 900 KiB (within the slack); 64 KiB serves 60 KiB; nothing serves a second 60 KiB or 4 MiB
+    assert pool.unmatched([900 << 10, 60 << 10, 60 << 10, 4 << 20]) == [4 << 20, round_up(60 << 10)]
+    assert pool.unmatched([1 << 20, 64 << 10]) == []
+    assert FilePool(layout, 1).unmatched([4096]) == [4096]  # another rank's pool is empty

@@ -1,0 +1,101 @@
+"""Allocating the next save's shard files ahead of time, in the background.
+
+Until a job holds ``keep_in_memory`` checkpoints, every save needs new tmpfs files, and allocating,
+zeroing and faulting in their pages is most of what such a save costs: on the development VM, where the
+host reclaims memory the guest freed, 0.6 to 3.4 s per GiB, while ``dcp.async_save`` holds training.
+Once a save has been staged, and when its commit will not evict a checkpoint whose files the next save
+could reuse, the stager reserves files of the same sizes here: a background thread at low CPU priority
+allocates them in an area of their own inside the rank's pool directory, maps them (page-locked for CUDA where the save staged GPU
+tensors) and moves them into the rank's pool, where the next save claims them as it would claim the files
+of an evicted checkpoint.
+
+The job never holds more files this way than it does in steady state (``keep_in_memory`` checkpoints plus
+the saves in flight), a reservation that does not fit in free memory is skipped, and one that fails is
+logged and dropped: the next save then allocates its files itself, as without a reservation. Closing the
+store stops its reservations (after the file being allocated), so a closed store allocates nothing more.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+
+from dcp_memstore.store.catalog import claim_owner, recycle
+from dcp_memstore.store.layout import StoreLayout, reserve_name, shard_name
+from dcp_memstore.store.mapping import MAPPINGS
+from dcp_memstore.store.pool import FilePool, round_up
+from dcp_memstore.store.space import allocate_file, free_bytes
+from dcp_memstore.store.threads import yield_cpu_to_training
+
+log = logging.getLogger(__name__)
+_lock = threading.Lock()
+_running: set[Reservation] = set()
+
+
+def stop_reservations(layout: StoreLayout) -> None:
+    """Stop this process's reservations for ``layout``'s job and wait until they have stopped."""
+    with _lock:
+        mine = [r for r in _running if r.layout.job_dir == layout.job_dir]
+    for r in mine:
+        r.stop()
+
+
+class Reservation:
+    """Pool files for the next save of one rank, being allocated on a background thread."""
+
+    def __init__(self, layout: StoreLayout, rank: int, sizes: list[int], pin_for_cuda: bool) -> None:
+        self.layout, self.rank, self.sizes, self.pin_for_cuda = layout, rank, sizes, pin_for_cuda
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dcp_memstore_reserve", daemon=True)
+        with _lock:
+            _running.add(self)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Return once the files are in the pool (or the reservation gave up)."""
+        self._thread.join()
+
+    def stop(self) -> None:
+        """Allocate no further file, and return once the files allocated so far are in the pool."""
+        self._stopping.set()
+        self.wait()
+
+    def _run(self) -> None:
+        try:
+            self._reserve()
+        finally:
+            with _lock:
+                _running.discard(self)
+
+    def _reserve(self) -> None:
+        yield_cpu_to_training()
+        pool = FilePool(self.layout, self.rank)
+        try:
+            missing = pool.unmatched(self.sizes)
+            needed = sum(round_up(s) for s in missing)
+            if not missing:
+                return
+            free = free_bytes(self.layout.job_dir)
+            if needed > free:
+                log.debug("no reservation of %d bytes for the next save: %d bytes free", needed, free)
+                return
+            pool.dir.mkdir(exist_ok=True)  # not parents: a store deleted meanwhile stays deleted
+            area = pool.dir / reserve_name(self.rank, os.getpid(), uuid.uuid4().hex[:8])
+            area.mkdir()
+            try:
+                claim_owner(area)  # a process killed meanwhile leaves the area to clear_abandoned
+                for b, size in enumerate(missing):
+                    if self._stopping.is_set():
+                        break
+                    # new files only: claiming from the pool would also delete its misfits
+                    mf = MAPPINGS.map_fd(allocate_file(area / shard_name(self.rank, b), size))
+                    if self.pin_for_cuda:
+                        mf.pin_for_cuda()
+            finally:
+                recycle(self.layout, area)  # into the pool: what was allocated, also after an error
+        except Exception as e:  # noqa: BLE001 - only an optimisation: the next save allocates its files
+            log.info(
+                "allocating the next save's files ahead of time failed (%s); it allocates them itself", e
+            )

@@ -1,0 +1,139 @@
+"""Files allocated ahead of the next async save, in the background, while a job has fewer checkpoints than
+it keeps: the next save claims them, the job never holds more files than in steady state, a reservation
+that does not fit is skipped, and one killed half-way leaves nothing that a restart does not clear."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_memstore import MemoryStorageReader, MemoryStorageWriter, MemStore
+from dcp_memstore.dcp.stager import Stager
+from dcp_memstore.store.layout import SHARD_SUFFIX
+from dcp_memstore.store.pool import FilePool
+from dcp_memstore.store.reserve import Reservation
+
+
+def _state(v: float, n: int = 1 << 18) -> dict:
+    return {"w": torch.full((n,), v), "b": torch.arange(1000.0) * v}
+
+
+def _async_save(store: MemStore, state: dict, cid: str) -> None:
+    writer = MemoryStorageWriter(store)
+    dcp.async_save(state, checkpoint_id=cid, storage_writer=writer, no_dist=True).result(timeout=60)
+    Stager.of(store).wait_reserved()
+
+
+def _load(store: MemStore, cid: str, n: int = 1 << 18) -> dict:
+    out = {"w": torch.zeros(n), "b": torch.zeros(1000)}
+    dcp.load(out, checkpoint_id=cid, storage_reader=MemoryStorageReader(store), no_dist=True)
+    return out
+
+
+def _inodes(directory: Path) -> set[int]:
+    return {e.inode() for e in os.scandir(directory) if e.name.endswith(SHARD_SUFFIX)}
+
+
+def _shard_files(store: MemStore) -> list[Path]:
+    return [p for p in store.layout.job_dir.rglob(f"*{SHARD_SUFFIX}") if p.is_file()]
+
+
+def test_the_second_async_save_claims_the_files_allocated_ahead_for_it(shm_dir):
+    store = MemStore(root=shm_dir, job_id="job", io_threads=2, keep_in_memory=2)
+    try:
+        _async_save(store, _state(1.0), "s0")
+        reserved = _inodes(FilePool(store.layout, 0).dir)
+        assert len(reserved) == 2  # one per I/O thread, like the save's own files
+        _async_save(store, _state(2.0), "s1")
+        assert _inodes(store.layout.checkpoint_dir("s1")) == reserved
+        for cid, v in (("s0", 1.0), ("s1", 2.0)):
+            out = _load(store, cid)
+            assert torch.equal(out["w"], torch.full((1 << 18,), v))
+            assert torch.equal(out["b"], torch.arange(1000.0) * v)
+    finally:
+        store.close()
+
+
+def test_a_job_never_holds_more_files_than_in_steady_state(shm_dir):
+    keep, threads = 2, 2
+    store = MemStore(root=shm_dir, job_id="job", io_threads=threads, keep_in_memory=keep)
+    try:
+        counts = []
+        for i in range(6):
+            _async_save(store, _state(float(i)), f"s{i}")
+            counts.append(len(_shard_files(store)))
+        # keep_in_memory checkpoints and one more save's files, never more: from the third save on the
+        # next save reuses an evicted checkpoint's files instead of a reservation
+        assert max(counts) <= (keep + 1) * threads, counts
+        assert counts[:2] == [2 * threads, 3 * threads], counts  # saves 1 and 2 each reserved the next
+        assert store.list_checkpoints() == ["s4", "s5"]
+        assert torch.equal(_load(store, "s5")["w"], torch.full((1 << 18,), 5.0))
+    finally:
+        store.close()
+
+
+def test_a_reservation_that_does_not_fit_in_free_memory_is_skipped(small_tmpfs):
+    store = MemStore(root=small_tmpfs, job_id="job", io_threads=1, keep_in_memory=1)
+    n = 5 << 18  # 5 MiB of an 8 MiB tmpfs: the next save's 5 MiB cannot be allocated ahead
+    try:
+        _async_save(store, _state(3.0, n), "s0")
+        assert not any(FilePool(store.layout, 0).dir.glob("*"))  # no files, no reservation area
+        assert torch.equal(_load(store, "s0", n)["w"], torch.full((n,), 3.0))
+    finally:
+        store.close()
+
+
+_RESERVE_FOREVER = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    from dcp_memstore.store.layout import StoreLayout
+    from dcp_memstore.store.reserve import Reservation
+
+    layout = StoreLayout(Path(sys.argv[1]), "job")
+    layout.ensure()
+    Reservation(layout, 0, [64 << 20] * 64, pin_for_cuda=False).wait()  # 4 GiB: killed long before the end
+    """
+)
+
+
+def test_a_reservation_killed_half_way_is_cleared_at_the_next_start(shm_dir):
+    child = subprocess.Popen([sys.executable, "-c", _RESERVE_FOREVER, str(shm_dir)])
+    pool = shm_dir / "job" / "pool" / "rank0"
+    try:
+        deadline = time.monotonic() + 60
+        while not (pool.exists() and any(p.glob(f"*{SHARD_SUFFIX}") for p in pool.iterdir() if p.is_dir())):
+            assert child.poll() is None and time.monotonic() < deadline, "the reservation never started"
+            time.sleep(0.01)
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+    assert [p.name.startswith("reserve-") for p in pool.iterdir()] == [True]
+    store = MemStore(root=shm_dir, job_id="job", io_threads=1)  # start-up clears what dead processes left
+    try:
+        assert not [p for p in pool.iterdir() if p.is_dir()]  # its files went into the pool
+        dcp.save(_state(4.0), checkpoint_id="after", storage_writer=MemoryStorageWriter(store), no_dist=True)
+        assert torch.equal(_load(store, "after")["w"], torch.full((1 << 18,), 4.0))
+    finally:
+        store.close()
+
+
+def test_closing_the_store_stops_its_reservation(shm_dir):
+    store = MemStore(root=shm_dir, job_id="job", io_threads=1)
+    pool = FilePool(store.layout, 0).dir
+    Reservation(store.layout, 0, [64 << 20] * 64, pin_for_cuda=False)  # 4 GiB: far from done at close
+    time.sleep(0.3)
+    store.close()
+    pooled = sorted(pool.glob(f"*{SHARD_SUFFIX}"))
+    assert len(pooled) < 64
+    assert not [p for p in pool.iterdir() if p.is_dir()]  # what it allocated went into the pool
+    time.sleep(0.5)
+    assert sorted(pool.glob(f"*{SHARD_SUFFIX}")) == pooled  # and nothing is allocated after close
