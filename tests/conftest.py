@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.planner import SavePlanner
 from dcp_memstore import MemStore
 from dcp_memstore.store.layout import StoreLayout
 from dcp_memstore.store.mapping import MAPPINGS
+from dcp_memstore.store.reserve import stop_reservations
 from tests.s3_server import SeaweedS3, weed_binary
 
 SHM = "/dev/shm"
@@ -27,7 +28,9 @@ SMALL_TMPFS_BYTES = 8 << 20
 
 
 def _remove_contents(d: Path) -> None:
-    """Delete everything below ``d``, then drop this process's cached mappings of the deleted files."""
+    """Delete everything below ``d``, then drop this process's cached mappings of the deleted files. Files
+    still being allocated ahead of a next save (by a store a test did not close) are stopped first."""
+    stop_reservations()
     for entry in os.scandir(d):
         if entry.is_dir(follow_symlinks=False):
             shutil.rmtree(entry.path, ignore_errors=True)

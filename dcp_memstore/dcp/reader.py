@@ -2,8 +2,9 @@
 
 Reads are zero-copy up to the destination: each stored item is a view of the mapped shard file, DCP's
 planner narrows it to the requested region (resharding), and one ``copy_`` moves it into the destination
-tensor (host-to-device straight from tmpfs pages for GPU destinations). Checksums of every item read are
-verified first, in parallel, unless the store turns verification off.
+tensor (host-to-device straight from tmpfs pages for GPU destinations). Every item read is checked against
+its checksum, unless the store turns verification off: whole items into CPU tensors are hashed while they
+are copied, other reads verify the stored item before copying from it. Files are read in parallel.
 """
 
 from __future__ import annotations

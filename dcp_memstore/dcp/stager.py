@@ -12,6 +12,7 @@ in the background (``store/reserve.py``), so that only the first save pays for n
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import uuid
@@ -33,6 +34,8 @@ from dcp_memstore.store.packing import pack
 from dcp_memstore.store.pool import FilePool
 from dcp_memstore.store.reserve import Reservation
 from dcp_memstore.store.threads import run_parallel
+
+log = logging.getLogger(__name__)
 
 
 def current_rank() -> int:
@@ -74,7 +77,7 @@ class Stager:
         """Copy ``state_dict``'s tensors into a new staging slot; return the staged state dict and its ticket."""
         with self._lock:
             rank = current_rank()
-            self.wait_reserved()  # it allocates what this save would otherwise allocate now
+            self._stop_reserving()
             self._wait_for_room()
             MAPPINGS.prune()
             originals = [t for t in state_tree.tensors(state_dict) if stageable(t)]
@@ -146,14 +149,25 @@ class Stager:
             self._reservation.wait()
             self._reservation = None
 
+    def _stop_reserving(self) -> None:
+        """Stop a reservation still running: the files it finished are in the pool, this save allocates the
+        rest itself (at the trainer's priority, not the reservation's)."""
+        if self._reservation is not None:
+            self._reservation.stop()
+            self._reservation = None
+
     def _reserve_next(self, rank: int, file_sizes: list[int], gpu: bool) -> None:
         """Have the next save's files allocated in the background if it could not reuse an evicted
         checkpoint's: when the checkpoints committed plus the saves in flight (this one included) do not
         exceed keep_in_memory, this save's commit evicts nothing. The job then never holds more files than
         in steady state."""
-        held = len(committed(self.store.layout)) + len(self._active_slots())
-        if held <= self.store.keep_in_memory:
-            self._reservation = Reservation(self.store.layout, rank, file_sizes, pin_for_cuda=gpu)
+        try:
+            held = len(committed(self.store.layout)) + len(self._active_slots())
+            if held <= self.store.keep_in_memory:
+                device = torch.cuda.current_device() if gpu else None
+                self._reservation = Reservation(self.store.layout, rank, file_sizes, cuda_device=device)
+        except Exception as e:  # noqa: BLE001 - only an optimisation: this save is staged already
+            log.info("could not start allocating the next save's files ahead of time: %s", e)
 
     def _wait_for_room(self) -> None:
         """Block until fewer than max_in_flight of this job's slots (this process) are still being written."""

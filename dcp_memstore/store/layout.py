@@ -28,6 +28,7 @@ _SHARD_RE = re.compile(r"__(\d+)_(\d+)\.shard")
 _FILE_RANK_RE = re.compile(r"__(\d+)_(?:\d+\.shard|objects\.bin)")
 _SLOT_RE = re.compile(r"r(\d+)-p(\d+)-s(\d+)-[0-9a-f]+")
 _NEW_RE = re.compile(r"\.new-(\d+)-[0-9a-f]+")
+_RESERVE_RE = re.compile(r"reserve-r\d+-p(\d+)-[0-9a-f]+")
 
 
 def shard_name(rank: int, index: int) -> str:
@@ -70,11 +71,12 @@ def parse_slot(name: str) -> tuple[int, int, int] | None:
 
 
 def name_pid(name: str) -> int | None:
-    """The pid in a staging slot's or a new checkpoint directory's name (``.new-<pid>-<id>``)."""
+    """The pid in the name of a staging slot, a new checkpoint directory (``.new-<pid>-<id>``) or a
+    reservation area."""
     slot = parse_slot(name)
     if slot is not None:
         return slot[1]
-    m = _NEW_RE.fullmatch(name)
+    m = _NEW_RE.fullmatch(name) or _RESERVE_RE.fullmatch(name)
     return int(m.group(1)) if m else None
 
 

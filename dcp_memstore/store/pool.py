@@ -60,6 +60,8 @@ class FilePool:
         for entry in misfits:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(entry.path)
+        if misfits:
+            MAPPINGS.prune()  # a deleted file this process maps keeps its memory until unmapped
         return allocate_file(dest, size), False
 
     def unmatched(self, sizes: list[int]) -> list[int]:

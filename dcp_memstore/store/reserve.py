@@ -11,16 +11,20 @@ of an evicted checkpoint.
 
 The job never holds more files this way than it does in steady state (``keep_in_memory`` checkpoints plus
 the saves in flight), a reservation that does not fit in free memory is skipped, and one that fails is
-logged and dropped: the next save then allocates its files itself, as without a reservation. Closing the
-store stops its reservations (after the file being allocated), so a closed store allocates nothing more.
+logged and dropped: the next save then allocates its files itself, as without a reservation. The next
+save stops a reservation still running and allocates what it had not started; closing the store, or the
+interpreter, stops it too (after the file being allocated), so a closed store allocates nothing more.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
 import uuid
+
+import torch
 
 from dcp_memstore.store.catalog import claim_owner, recycle
 from dcp_memstore.store.layout import StoreLayout, reserve_name, shard_name
@@ -34,19 +38,32 @@ _lock = threading.Lock()
 _running: set[Reservation] = set()
 
 
-def stop_reservations(layout: StoreLayout) -> None:
-    """Stop this process's reservations for ``layout``'s job and wait until they have stopped."""
+def stop_reservations(layout: StoreLayout | None = None) -> None:
+    """Stop this process's reservations (for ``layout``'s job, or all) and wait until they have stopped."""
     with _lock:
-        mine = [r for r in _running if r.layout.job_dir == layout.job_dir]
+        mine = [r for r in _running if layout is None or r.layout.job_dir == layout.job_dir]
     for r in mine:
         r.stop()
+
+
+def _forget_in_child() -> None:
+    """A forked child has none of the parent's threads (Megatron forks the trainer)."""
+    global _lock
+    _lock = threading.Lock()
+    _running.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+atexit.register(stop_reservations)  # not inside cudaHostRegister while CUDA shuts down
 
 
 class Reservation:
     """Pool files for the next save of one rank, being allocated on a background thread."""
 
-    def __init__(self, layout: StoreLayout, rank: int, sizes: list[int], pin_for_cuda: bool) -> None:
-        self.layout, self.rank, self.sizes, self.pin_for_cuda = layout, rank, sizes, pin_for_cuda
+    def __init__(self, layout: StoreLayout, rank: int, sizes: list[int], cuda_device: int | None) -> None:
+        """Start allocating files of ``sizes`` bytes for ``rank``; with ``cuda_device``, also page-lock
+        them for CUDA (from that device, the caller's: a new thread would start a context on device 0)."""
+        self.layout, self.rank, self.sizes, self.cuda_device = layout, rank, sizes, cuda_device
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dcp_memstore_reserve", daemon=True)
         with _lock:
@@ -78,20 +95,23 @@ class Reservation:
             if not missing:
                 return
             free = free_bytes(self.layout.job_dir)
-            if needed > free:
-                log.debug("no reservation of %d bytes for the next save: %d bytes free", needed, free)
+            ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # the others may reserve as much now
+            if needed * ranks_here > free:
+                log.debug("no reservation of %d bytes (x %d ranks): %d bytes free", needed, ranks_here, free)
                 return
             pool.dir.mkdir(exist_ok=True)  # not parents: a store deleted meanwhile stays deleted
             area = pool.dir / reserve_name(self.rank, os.getpid(), uuid.uuid4().hex[:8])
             area.mkdir()
             try:
                 claim_owner(area)  # a process killed meanwhile leaves the area to clear_abandoned
+                if self.cuda_device is not None:
+                    torch.cuda.set_device(self.cuda_device)
                 for b, size in enumerate(missing):
                     if self._stopping.is_set():
                         break
                     # new files only: claiming from the pool would also delete its misfits
                     mf = MAPPINGS.map_fd(allocate_file(area / shard_name(self.rank, b), size))
-                    if self.pin_for_cuda:
+                    if self.cuda_device is not None:
                         mf.pin_for_cuda()
             finally:
                 recycle(self.layout, area)  # into the pool: what was allocated, also after an error

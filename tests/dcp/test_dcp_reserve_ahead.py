@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_memstore import MemoryStorageReader, MemoryStorageWriter, MemStore
 from dcp_memstore.dcp.stager import Stager
+from dcp_memstore.store import reserve
 from dcp_memstore.store.layout import SHARD_SUFFIX
 from dcp_memstore.store.pool import FilePool
 from dcp_memstore.store.reserve import Reservation
@@ -80,13 +81,33 @@ def test_a_job_never_holds_more_files_than_in_steady_state(shm_dir):
         store.close()
 
 
-def test_a_reservation_that_does_not_fit_in_free_memory_is_skipped(small_tmpfs):
+def test_a_reservation_that_does_not_fit_in_free_memory_is_skipped(small_tmpfs, monkeypatch):
+    allocated = []
+    real = reserve.allocate_file
+    monkeypatch.setattr(
+        reserve, "allocate_file", lambda path, size: allocated.append(size) or real(path, size)
+    )
     store = MemStore(root=small_tmpfs, job_id="job", io_threads=1, keep_in_memory=1)
     n = 5 << 18  # 5 MiB of an 8 MiB tmpfs: the next save's 5 MiB cannot be allocated ahead
     try:
         _async_save(store, _state(3.0, n), "s0")
+        assert allocated == []  # skipped before allocating anything, not stopped by ENOSPC half-way
         assert not any(FilePool(store.layout, 0).dir.glob("*"))  # no files, no reservation area
         assert torch.equal(_load(store, "s0", n)["w"], torch.full((n,), 3.0))
+    finally:
+        store.close()
+
+
+def test_a_reservation_that_fits_allocates_through_the_same_call(shm_dir, monkeypatch):
+    allocated = []
+    real = reserve.allocate_file
+    monkeypatch.setattr(
+        reserve, "allocate_file", lambda path, size: allocated.append(size) or real(path, size)
+    )
+    store = MemStore(root=shm_dir, job_id="job", io_threads=1, keep_in_memory=1)
+    try:
+        _async_save(store, _state(3.0), "s0")
+        assert len(allocated) == 1  # the check above watches the call that allocates
     finally:
         store.close()
 
@@ -100,7 +121,7 @@ _RESERVE_FOREVER = textwrap.dedent(
 
     layout = StoreLayout(Path(sys.argv[1]), "job")
     layout.ensure()
-    Reservation(layout, 0, [64 << 20] * 64, pin_for_cuda=False).wait()  # 4 GiB: killed long before the end
+    Reservation(layout, 0, [64 << 20] * 64, cuda_device=None).wait()  # 4 GiB: killed long before the end
     """
 )
 
@@ -109,10 +130,7 @@ def test_a_reservation_killed_half_way_is_cleared_at_the_next_start(shm_dir):
     child = subprocess.Popen([sys.executable, "-c", _RESERVE_FOREVER, str(shm_dir)])
     pool = shm_dir / "job" / "pool" / "rank0"
     try:
-        deadline = time.monotonic() + 60
-        while not (pool.exists() and any(p.glob(f"*{SHARD_SUFFIX}") for p in pool.iterdir() if p.is_dir())):
-            assert child.poll() is None and time.monotonic() < deadline, "the reservation never started"
-            time.sleep(0.01)
+        _wait_for_a_reserved_file(pool, child)
     finally:
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
@@ -129,11 +147,19 @@ def test_a_reservation_killed_half_way_is_cleared_at_the_next_start(shm_dir):
 def test_closing_the_store_stops_its_reservation(shm_dir):
     store = MemStore(root=shm_dir, job_id="job", io_threads=1)
     pool = FilePool(store.layout, 0).dir
-    Reservation(store.layout, 0, [64 << 20] * 64, pin_for_cuda=False)  # 4 GiB: far from done at close
-    time.sleep(0.3)
+    Reservation(store.layout, 0, [64 << 20] * 64, cuda_device=None)  # 4 GiB: far from done at close
+    _wait_for_a_reserved_file(pool)
     store.close()
     pooled = sorted(pool.glob(f"*{SHARD_SUFFIX}"))
-    assert len(pooled) < 64
+    assert 0 < len(pooled) < 64  # it had started, and it stopped
     assert not [p for p in pool.iterdir() if p.is_dir()]  # what it allocated went into the pool
     time.sleep(0.5)
     assert sorted(pool.glob(f"*{SHARD_SUFFIX}")) == pooled  # and nothing is allocated after close
+
+
+def _wait_for_a_reserved_file(pool: Path, child: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + 60
+    while not (pool.exists() and any(p.glob(f"*{SHARD_SUFFIX}") for p in pool.iterdir() if p.is_dir())):
+        assert child is None or child.poll() is None, "the reserving process ended"
+        assert time.monotonic() < deadline, "the reservation never started"
+        time.sleep(0.01)

@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from dcp_memstore.store import catalog
-from dcp_memstore.store.layout import COMMITTED, INPROGRESS, shard_name
+from dcp_memstore.store.layout import COMMITTED, INPROGRESS, SHARD_SUFFIX, reserve_name, shard_name
 from dcp_memstore.store.records import read_record, write_record
 
 
@@ -189,3 +189,27 @@ def test_commit_marker_is_a_record_with_seq_and_size(layout):
     d = _save(layout, "s0", payload=b"p" * 100)
     r = read_record(d / COMMITTED)
     assert r["seq"] == 1 and r["nbytes"] == 100 and r["committed_at"] <= time.time()
+
+
+def test_a_reservation_area_without_its_owner_record_yet_is_kept_while_its_process_lives(layout):
+    """The area is made before its owner record is written: the pid in its name keeps it meanwhile."""
+    pool = layout.pool_dir(0)
+    pool.mkdir(parents=True)
+    live = pool / reserve_name(0, os.getpid(), "aa11")
+    dead_pid = _dead_pid()
+    dead = pool / reserve_name(0, dead_pid, "bb22")
+    for area in (live, dead):
+        area.mkdir()
+        (area / shard_name(0, 0)).write_bytes(b"r" * 4096)
+    catalog.clear_abandoned(layout)
+    assert live.exists()
+    assert not dead.exists()
+    assert len(list(pool.glob(f"*{SHARD_SUFFIX}"))) == 1  # the dead one's file went into the pool
+
+
+def _dead_pid() -> int:
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return pid
