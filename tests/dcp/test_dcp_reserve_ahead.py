@@ -12,6 +12,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -81,12 +82,16 @@ def test_a_job_never_holds_more_files_than_in_steady_state(shm_dir):
         store.close()
 
 
-def test_a_reservation_that_does_not_fit_in_free_memory_is_skipped(small_tmpfs, monkeypatch):
-    allocated = []
+@pytest.fixture
+def allocated(monkeypatch) -> list[int]:
+    """Sizes of the files reservations allocate (the real allocation still happens)."""
+    sizes: list[int] = []
     real = reserve.allocate_file
-    monkeypatch.setattr(
-        reserve, "allocate_file", lambda path, size: allocated.append(size) or real(path, size)
-    )
+    monkeypatch.setattr(reserve, "allocate_file", lambda path, size: sizes.append(size) or real(path, size))
+    return sizes
+
+
+def test_a_reservation_that_does_not_fit_in_free_memory_is_skipped(small_tmpfs, allocated):
     store = MemStore(root=small_tmpfs, job_id="job", io_threads=1, keep_in_memory=1)
     n = 5 << 18  # 5 MiB of an 8 MiB tmpfs: the next save's 5 MiB cannot be allocated ahead
     try:
@@ -98,12 +103,7 @@ def test_a_reservation_that_does_not_fit_in_free_memory_is_skipped(small_tmpfs, 
         store.close()
 
 
-def test_a_reservation_that_fits_allocates_through_the_same_call(shm_dir, monkeypatch):
-    allocated = []
-    real = reserve.allocate_file
-    monkeypatch.setattr(
-        reserve, "allocate_file", lambda path, size: allocated.append(size) or real(path, size)
-    )
+def test_a_reservation_that_fits_allocates_through_the_same_call(shm_dir, allocated):
     store = MemStore(root=shm_dir, job_id="job", io_threads=1, keep_in_memory=1)
     try:
         _async_save(store, _state(3.0), "s0")
