@@ -77,8 +77,8 @@ class Stager:
         """Copy ``state_dict``'s tensors into a new staging slot; return the staged state dict and its ticket."""
         with self._lock:
             rank = current_rank()
-            self._stop_reserving()
             self._wait_for_room()
+            self._stop_reserving()  # after the wait: it had that time too
             MAPPINGS.prune()
             originals = [t for t in state_tree.tensors(state_dict) if stageable(t)]
             sizes = [t.numel() * t.element_size() for t in originals]
