@@ -159,7 +159,7 @@ def test_closing_the_store_stops_its_reservation(shm_dir):
 
 def _wait_for_a_reserved_file(pool: Path, child: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + 60
-    while not (pool.exists() and any(p.glob(f"*{SHARD_SUFFIX}") for p in pool.iterdir() if p.is_dir())):
+    while not (pool.exists() and any(any(p.glob(f"*{SHARD_SUFFIX}")) for p in pool.iterdir() if p.is_dir())):
         assert child is None or child.poll() is None, "the reserving process ended"
         assert time.monotonic() < deadline, "the reservation never started"
         time.sleep(0.01)
