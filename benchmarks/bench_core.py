@@ -637,14 +637,17 @@ def format_table(res: ConfigResult, reps: int) -> str:
         ]
         for r in rows(res)
     ]
+    return "\n".join([head, "", markdown_table(cols, body)])
+
+
+def markdown_table(cols: list[str], body: list[list[str]]) -> str:
+    """A Markdown table with columns padded to their widest cell (the benchmarks' common output)."""
     widths = [max(len(x) for x in col) for col in zip(cols, *body, strict=True)]
 
     def line(cells: list[str]) -> str:
         return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
 
-    return "\n".join(
-        [head, "", line(cols), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, body)]
-    )
+    return "\n".join([line(cols), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, body)])
 
 
 def run_record(info: dict, args: Any, wall: float, load_before: Any, load_after: Any) -> dict[str, Any]:

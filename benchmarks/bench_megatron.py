@@ -63,7 +63,17 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from benchmarks.bench_core import GIB, ROW, Measurement, Ranks, free_port, machine, spec_bytes, tensor_specs  # noqa: E402
+from benchmarks.bench_core import (  # noqa: E402
+    GIB,
+    ROW,
+    Measurement,
+    Ranks,
+    free_port,
+    machine,
+    markdown_table,
+    spec_bytes,
+    tensor_specs,
+)
 
 OPS = [  # (operation, baseline) in table order
     ("torch_dist async save, blocking, first save", None),
@@ -246,13 +256,7 @@ def table(meta: dict[str, Any], ms: dict[str, Measurement], reps: int) -> str:
                 ratio,
             ]
         )
-    widths = [max(len(x) for x in col) for col in zip(cols, *body, strict=True)]
-
-    def line(cells: list[str]) -> str:
-        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
-
-    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([head, "", line(cols), sep, *map(line, body)])
+    return "\n".join([head, "", markdown_table(cols, body)])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -55,7 +55,6 @@ import contextlib
 import gc
 import json
 import os
-import resource
 import secrets
 import shutil
 import statistics
@@ -77,7 +76,9 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
+from benchmarks.bench_core import cpu_time as cpu_self  # noqa: E402
 from benchmarks.bench_core import machine as core_machine  # noqa: E402
+from benchmarks.bench_core import markdown_table as table  # noqa: E402
 from benchmarks.bench_core import run_record  # noqa: E402
 from dcp_memstore import MemoryStorageWriter, MemStore  # noqa: E402
 from tests.s3_server import SeaweedS3  # noqa: E402
@@ -101,11 +102,6 @@ COPYFILE_SYNC = "raw shutil.copyfile + fsync, 1 thread per file"
 
 
 # -- small helpers -------------------------------------------------------------------------------------------
-
-
-def cpu_self() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def cpu_of(pid: int | None, tid: int | None = None) -> float:
@@ -146,15 +142,6 @@ def pct(xs: list[float], q: float) -> float:
 def spread(xs: list[float], fmt: str = "{:.1f}") -> str:
     """``median [min-max]``."""
     return f"{fmt.format(statistics.median(xs))} [{fmt.format(min(xs))}-{fmt.format(max(xs))}]"
-
-
-def table(cols: list[str], body: list[list[str]]) -> str:
-    widths = [max(len(x) for x in col) for col in zip(cols, *body, strict=True)]
-
-    def line(cells: list[str]) -> str:
-        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
-
-    return "\n".join([line(cols), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, body)])
 
 
 def data_files(store: MemStore, cid: str) -> list[Path]:

@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import json
 import mmap
 import os
@@ -593,17 +592,6 @@ def direction_table(d: Direction, args: argparse.Namespace) -> str:
 # -- part 3: training-step time, replication on vs off -------------------------------------------------------
 
 
-def replication_api_missing() -> str | None:
-    """Why part 3 cannot run with this build of dcp_memstore (the planned MemStore replication API is not
-    there yet), or None."""
-    missing = []
-    if "replicas" not in inspect.signature(MemStore.__init__).parameters:
-        missing.append("MemStore(replicas=...)")
-    if not hasattr(MemStore, "wait_replicated"):
-        missing.append("MemStore.wait_replicated")
-    return f"this dcp_memstore has no {' and no '.join(missing)} yet" if missing else None
-
-
 def sharded_state(model: Any, opt: Any, mesh: Any) -> dict[str, Any]:
     """Parameters and momentum buffers as DTensors sharded on dim 0 over ``mesh``: views of the live
     tensors (the optimizer updates them in place), each rank's chunk of rows, as FSDP would save them."""
@@ -687,7 +675,7 @@ def train_role(argv: list[str]) -> int:
         if a.replicas and last is not None:
             store.wait_replicated(last, timeout=a.wait_timeout)
         wait_s = time.perf_counter() - t0
-        replication = getattr(store.status(last), "replication", None) if last is not None else None
+        replication = store.status(last).replication if last is not None else None
         result = {
             "rank": rank,
             "step_s": step_s,
@@ -925,7 +913,7 @@ def main(argv: list[str] | None = None) -> int:
         f"kernel {info['kernel']}, Python {info['python']}, torch {info['torch']}",
         flush=True,
     )
-    step_reason = replication_api_missing() if args.step_time else "not requested (--step-time)"
+    step_reason = None if args.step_time else "not requested (--step-time)"
     load_before = os.getloadavg()
     started = time.perf_counter()
     remove_stale_tmp(Path(args.tmp))

@@ -33,15 +33,21 @@ log = logging.getLogger("dcp_memstore.memstore")
 _service_lock = threading.Lock()
 
 
-def _request(
-    transport: TcpTransport, peers: Peers, node: int, phase: str, record: Any, manifest: bytes = b""
-) -> int | str:
-    """One commit phase on ``node`` (local rank 0's server): its next sequence number, or why it failed."""
-    addr = peers.server(node, 0)
-    try:
-        return transport.commit(addr, record.checkpoint_id, phase, record.to_record(), manifest)
-    except (ConnectionError, TimeoutError, OSError, RuntimeError) as e:
-        return f"node {node} ({format_peer(addr)}): {str(e).rstrip('.')}"
+def _on_other_nodes(
+    transport: TcpTransport, peers: Peers, phase: str, record: Any, manifest: bytes = b""
+) -> list[int | str]:
+    """One commit phase on every other node (local rank 0's server), in parallel: per node its next
+    sequence number, or why it failed."""
+
+    def request(node: int) -> int | str:
+        addr = peers.server(node, 0)
+        try:
+            return transport.commit(addr, record.checkpoint_id, phase, record.to_record(), manifest)
+        except (ConnectionError, TimeoutError, OSError, RuntimeError) as e:
+            return f"node {node} ({format_peer(addr)}): {str(e).rstrip('.')}"
+
+    others = peers.other_nodes()
+    return run_parallel(request, others, len(others), pool="commit")
 
 
 class ReplicatingStore:
@@ -144,20 +150,12 @@ class ReplicatingStore:
         if control is None:
             return record
         peers, transport = control
-        others = peers.other_nodes()
-        replies = run_parallel(
-            lambda n: _request(transport, peers, n, "prepare", record, manifest),
-            others,
-            len(others),
-            pool="commit",
-        )
+        replies = _on_other_nodes(transport, peers, "prepare", record, manifest)
         errors = [r for r in replies if isinstance(r, str)]
         if errors:
-            run_parallel(
-                lambda n: _request(transport, peers, n, "abort", record), others, len(others), pool="commit"
-            )
+            _on_other_nodes(transport, peers, "abort", record)
             raise CommitError(
-                f"checkpoint {record.checkpoint_id!r} was not committed: {len(errors)} of {len(others)} "
+                f"checkpoint {record.checkpoint_id!r} was not committed: {len(errors)} of {len(replies)} "
                 f"other node(s) did not take it: {'; '.join(errors)}. The previous checkpoint stays the "
                 "newest; save again once every node is reachable"
             )
@@ -170,10 +168,7 @@ class ReplicatingStore:
         if control is None:
             return
         peers, transport = control
-        others = peers.other_nodes()
-        for err in run_parallel(
-            lambda n: _request(transport, peers, n, "commit", record), others, len(others), pool="commit"
-        ):
+        for err in _on_other_nodes(transport, peers, "commit", record):
             if isinstance(err, str):
                 log.warning("checkpoint %r committed, but not on %s", record.checkpoint_id, err)
 

@@ -65,6 +65,20 @@ def emit(**event: Any) -> None:
     os.write(sys.stdout.fileno(), (EVENT_PREFIX + json.dumps(event) + "\n").encode())
 
 
+def checkpoint(pending: Any, state: dict, cid: str, store: MemStore, group: Any) -> tuple[Any, dict]:
+    """``dcp.async_save`` of ``state`` as ``cid`` once the previous save (``pending``) is done (at most one
+    in flight): the new save's future, and what the step reports (id, ms waited, ms staging)."""
+    t0 = time.perf_counter()
+    if pending is not None:
+        pending.result()
+    t1 = time.perf_counter()
+    future = dcp.async_save(
+        state, checkpoint_id=cid, storage_writer=MemoryStorageWriter(store), process_group=group
+    )
+    t2 = time.perf_counter()
+    return future, {"id": cid, "wait_ms": (t1 - t0) * 1e3, "stage_ms": (t2 - t1) * 1e3}
+
+
 def build_model() -> nn.Module:
     """The model: a three-layer MLP with dropout (initialised from the global RNG)."""
     return nn.Sequential(
@@ -168,18 +182,8 @@ def main(argv: list[str] | None = None) -> None:
 
         saved = None
         if step % args.every == 0:
-            t0 = time.perf_counter()
-            if pending is not None:
-                pending.result()  # at most one save in flight
-            t1 = time.perf_counter()
-            pending = dcp.async_save(
-                training_state(model, optimizer, step, rank),
-                checkpoint_id=f"step-{step}",
-                storage_writer=MemoryStorageWriter(store),
-                process_group=ckpt_group,
-            )
-            t2 = time.perf_counter()
-            saved = {"id": f"step-{step}", "wait_ms": (t1 - t0) * 1e3, "stage_ms": (t2 - t1) * 1e3}
+            state = training_state(model, optimizer, step, rank)
+            pending, saved = checkpoint(pending, state, f"step-{step}", store, ckpt_group)
         if rank == 0:
             emit(event="step", step=step, loss=float(global_loss).hex(), save=saved)
 

@@ -50,12 +50,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from demo import RUN_TIMEOUT_S, RunResult, compare_params, fail, loss_text, torchrun_job, wait_gone
-from demo_train import emit
+from demo_train import checkpoint, emit
 from gpt_model import CORPUS, GPT, GPTConfig, TextBatches
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
-from dcp_memstore import MemoryStorageReader, MemoryStorageWriter, MemStore
+from dcp_memstore import MemoryStorageReader, MemStore
 
 REFERENCE_JOB_ID = "gpt-reference"
 JOB_ID = "gpt"
@@ -327,18 +327,8 @@ def train(args: argparse.Namespace) -> None:
 
         saved = None
         if args.every and step % args.every == 0:
-            t0 = time.perf_counter()
-            if pending is not None:
-                pending.result()  # at most one save in flight
-            t1 = time.perf_counter()
-            pending = dcp.async_save(
-                training_state(ddp, optimizer, data, step, rank, device),
-                checkpoint_id=f"step-{step}",
-                storage_writer=MemoryStorageWriter(store),
-                process_group=ckpt_group,
-            )
-            t2 = time.perf_counter()
-            saved = {"id": f"step-{step}", "wait_ms": (t1 - t0) * 1e3, "stage_ms": (t2 - t1) * 1e3}
+            state = training_state(ddp, optimizer, data, step, rank, device)
+            pending, saved = checkpoint(pending, state, f"step-{step}", store, ckpt_group)
         if rank == 0:
             emit(event="step", step=step, loss=float(global_loss).hex(), save=saved)
 

@@ -203,15 +203,20 @@ class MemoryStorageReader(StorageReader):
         is copied (one pass over the bytes); other reads verify the stored item first, once per item."""
         verified: set[tuple[int, int]] = set()
         for r in reads:
-            loc = r.loc
+            loc, item = r.loc, (r.loc.offset, r.loc.length)
             in_file = loc.offset + loc.length <= mf.size
-            unverified = self.store.verify_checksums and (loc.offset, loc.length) not in verified
-            if unverified and in_file and r.dst is not None and r.whole():
+            if (
+                item not in verified
+                and self.store.verify_checksums
+                and in_file
+                and r.dst is not None
+                and r.whole()
+            ):
                 stored = mf.tensor(loc.offset, r.dst.dtype, loc.shape)
                 self._check(r, copy_with_checksum(r.dst, stored), path)
-                verified.add((loc.offset, loc.length))
+                verified.add(item)
                 continue
-            if (loc.offset, loc.length) not in verified:
+            if item not in verified:
                 if not in_file:
                     actual = None  # the file is shorter than the manifest says
                 elif self.store.verify_checksums:
@@ -219,7 +224,7 @@ class MemoryStorageReader(StorageReader):
                 else:
                     actual = loc.checksum  # not verified: skip the pass over the bytes
                 self._check(r, actual, path)
-                verified.add((loc.offset, loc.length))
+                verified.add(item)
             if r.dst is None:
                 r.data = bytes(memory_view(mf.address + loc.offset, loc.length))
                 continue

@@ -78,7 +78,7 @@ class Stager:
         with self._lock:
             rank = current_rank()
             self._wait_for_room()
-            self._stop_reserving()  # after the wait: it had that time too
+            self.wait_reserved(stop=True)  # after the wait: it had that time too
             MAPPINGS.prune()
             originals = [t for t in state_tree.tensors(state_dict) if stageable(t)]
             sizes = [t.numel() * t.element_size() for t in originals]
@@ -143,18 +143,15 @@ class Stager:
 
         run_parallel(copy_bin, by_bin.values(), self.store.io_threads, pool="stage")
 
-    def wait_reserved(self) -> None:
-        """Return once the files being allocated ahead of the next save, if any, are in the pool."""
-        if self._reservation is not None:
-            self._reservation.wait()
-            self._reservation = None
-
-    def _stop_reserving(self) -> None:
-        """Stop a reservation still running: the files it finished are in the pool, this save allocates the
-        rest itself (at the trainer's priority, not the reservation's)."""
-        if self._reservation is not None:
-            self._reservation.stop()
-            self._reservation = None
+    def wait_reserved(self, stop: bool = False) -> None:
+        """Return once the files being allocated ahead of the next save, if any, are in the pool. With
+        ``stop``, once those it finished are: the save about to stage allocates the rest itself (at the
+        trainer's priority, not the reservation's)."""
+        reservation, self._reservation = self._reservation, None
+        if reservation is not None and stop:
+            reservation.stop()
+        elif reservation is not None:
+            reservation.wait()
 
     def _reserve_next(self, rank: int, file_sizes: list[int], gpu: bool) -> None:
         """Have the next save's files allocated in the background if it could not reuse an evicted

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from megatron.core.dist_checkpointing.core import CheckpointingException
 
 from dcp_memstore.memstore import MemStore
 from dcp_memstore.store.ids import validate_name
+from dcp_memstore.store.records import write_atomic
 
 BACKEND = "dcp_memstore"  # metadata.json's sharded_backend of checkpoints saved with MemStoreSaveStrategy
 VERSION = 1
@@ -59,14 +59,7 @@ def write_pointer(checkpoint_dir: str | os.PathLike, store: MemStore, checkpoint
         "job_id": store.job_id,
         "checkpoint_id": checkpoint_id,
     }
-    path = Path(checkpoint_dir) / POINTER
-    tmp = path.with_name(f".{POINTER}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        tmp.write_text(json.dumps(record, indent=1) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_atomic(Path(checkpoint_dir) / POINTER, (json.dumps(record, indent=1) + "\n").encode())
 
 
 def read_pointer(checkpoint_dir: str | os.PathLike) -> dict[str, Any] | None:

@@ -90,9 +90,11 @@ from dcp_memstore.replication.transport import (
     PeerAddress,
     ReplicationError,
     Transport,
+    checked_names,
     format_peer,
 )
-from dcp_memstore.store.ids import validate_file_name, validate_name
+from dcp_memstore.store.checksum import checksum_bytes
+from dcp_memstore.store.ids import validate_name
 
 log = logging.getLogger(__name__)
 
@@ -272,9 +274,7 @@ class RdmaTransport(Transport):
     def put_file(
         self, peer_addr: PeerAddress, source_node: str, checkpoint: str, file: str, path: Path
     ) -> None:
-        source_node = validate_name(source_node, "source node")
-        checkpoint = validate_name(checkpoint, "checkpoint id")
-        file = validate_file_name(file)
+        checkpoint, file, source_node = checked_names(checkpoint, file, source_node)
         peer = (peer_addr[0], int(peer_addr[1]))
         if not self._peer_over_tcp(peer):
             with self._fallback_to_tcp(peer) as use_tcp:
@@ -291,10 +291,7 @@ class RdmaTransport(Transport):
         dest_path: Path,
         source_node: str | None = None,
     ) -> None:
-        checkpoint = validate_name(checkpoint, "checkpoint id")
-        file = validate_file_name(file)
-        if source_node is not None:
-            source_node = validate_name(source_node, "source node")
+        checkpoint, file, source_node = checked_names(checkpoint, file, source_node)
         peer = (peer_addr[0], int(peer_addr[1]))
         if not self._peer_over_tcp(peer):
             with self._fallback_to_tcp(peer) as use_tcp:
@@ -326,7 +323,7 @@ class RdmaTransport(Transport):
                     qp = session.info.to_wire() if session is not None else None
                     nonce, reply = self._request(call, "rdma_put", {**fields, "qp": qp})
                     if session is None:
-                        checksum = wire.hash_view(source.view)
+                        checksum = checksum_bytes(source.view)
                     else:
                         remote = self._remote_qp(call, reply)
                         self._setup(session, source.address, size, LOCAL_READ, remote)
@@ -360,7 +357,7 @@ class RdmaTransport(Transport):
                             self._move(call, session, "read", address, size, reply, None)
                     finally:
                         session.close()  # before the destination mapping goes, whatever happened
-                    actual = wire.hash_view(incoming.view)
+                    actual = checksum_bytes(incoming.view)
                     call.run(wire.send_trailer, actual)  # done: the peer releases the file
                     if actual != reply["checksum"]:
                         raise ReplicationError(

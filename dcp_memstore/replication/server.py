@@ -49,6 +49,7 @@ from dcp_memstore.replication.transport import (
     list_files,
     remove_stale_parts,
 )
+from dcp_memstore.store.checksum import checksum_bytes
 from dcp_memstore.store.ids import validate_file_name, validate_name
 from dcp_memstore.store.layout import COMMITTED, StoreLayout
 
@@ -414,7 +415,7 @@ class PeerServer:
             finally:
                 if exposure is not None:
                     exposure.close()  # no RDMA write can reach the file from here on
-            self._check_arrived(what, wire.hash_view(incoming.view), expected)
+            self._check_arrived(what, checksum_bytes(incoming.view), expected)
             incoming.commit()
         self._reply(conn, nonce, {})
         self._stored(f"{what} by RDMA", size, start)
@@ -423,7 +424,7 @@ class PeerServer:
         rdma = self._endpoint("rdma_get")
         with self._served_file(header, 0, None) as source_file:
             size = source_file.length
-            checksum = wire.hash_view(source_file.view)
+            checksum = checksum_bytes(source_file.view)
             exposure = None
             try:
                 if size:

@@ -28,9 +28,10 @@ from dcp_memstore.replication.transport import (
     PeerAddress,
     ReplicationError,
     Transport,
+    checked_names,
     format_peer,
 )
-from dcp_memstore.store.ids import validate_file_name, validate_name
+from dcp_memstore.store.ids import validate_name
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -148,9 +149,7 @@ class TcpTransport(Transport):
     def put_file(
         self, peer_addr: PeerAddress, source_node: str, checkpoint: str, file: str, path: Path
     ) -> None:
-        source_node = validate_name(source_node, "source node")
-        checkpoint = validate_name(checkpoint, "checkpoint id")
-        file = validate_file_name(file)
+        checkpoint, file, source_node = checked_names(checkpoint, file, source_node)
         what = f"sending file {file} of checkpoint {checkpoint} of node {source_node}"
         with OutgoingFile(Path(path)) as source, self._call(peer_addr, what) as call:
             fields = {"source": source_node, "checkpoint": checkpoint, "file": file, "size": source.length}
@@ -241,10 +240,7 @@ class TcpTransport(Transport):
         offset: int,
         length: int | None,
     ) -> Iterator[tuple[_Call, int]]:
-        checkpoint = validate_name(checkpoint, "checkpoint id")
-        file = validate_file_name(file)
-        if source_node is not None:
-            source_node = validate_name(source_node, "source node")
+        checkpoint, file, source_node = checked_names(checkpoint, file, source_node)
         where = "its own copy" if source_node is None else f"its replica of node {source_node}"
         with self._call(peer, f"fetching file {file} of checkpoint {checkpoint} from {where}") as call:
             fields = {"checkpoint": checkpoint, "file": file, "source": source_node}

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dcp_memstore.store.checksum import memory_view
-from dcp_memstore.store.ids import validate_file_name
+from dcp_memstore.store.ids import validate_file_name, validate_name
 from dcp_memstore.store.mapping import MAPPINGS, MappedFile
 from dcp_memstore.store.space import allocate_file, check_space
 
@@ -49,6 +49,13 @@ def format_peer(peer: PeerAddress) -> str:
     """``host:port`` (``[host]:port`` for IPv6) for messages."""
     host, port = peer[0], peer[1]
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def checked_names(checkpoint: str, file: str, source_node: str | None) -> tuple[str, str, str | None]:
+    """A transfer's names, validated before anything is sent: the checkpoint id, the file name and the node
+    whose replica it is (None: the peer's own copy)."""
+    source_node = None if source_node is None else validate_name(source_node, "source node")
+    return validate_name(checkpoint, "checkpoint id"), validate_file_name(file), source_node
 
 
 class ReplicationError(RuntimeError):

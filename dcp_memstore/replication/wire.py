@@ -315,15 +315,6 @@ def recv_payload(sock: socket.socket, view: memoryview) -> int:
     return h.intdigest()
 
 
-def hash_view(view: memoryview) -> int:
-    """xxh3-64 of the bytes of ``view`` (hashed in CHUNK pieces), the checksum the trailers carry."""
-    view = view.cast("B") if view.format != "B" else view
-    h = xxhash.xxh3_64()
-    for off in range(0, len(view), CHUNK):
-        h.update(view[off : off + CHUNK])
-    return h.intdigest()
-
-
 def send_trailer(sock: socket.socket, checksum: int) -> None:
     """Send the frame that ends a payload: its xxh3-64 checksum."""
     send_header(sock, {"op": "end", "checksum": checksum})

@@ -34,15 +34,16 @@ def memory_view(address: int, nbytes: int) -> memoryview:
 
 def checksum_memory(address: int, nbytes: int) -> int:
     """Checksum of ``nbytes`` bytes at ``address``."""
-    h = xxhash.xxh3_64()
-    for off in range(0, nbytes, CHUNK):
-        h.update(memory_view(address + off, min(CHUNK, nbytes - off)))
-    return h.intdigest()
+    return checksum_bytes(memory_view(address, nbytes))
 
 
 def checksum_bytes(data: bytes | bytearray | memoryview) -> int:
-    """Checksum of a bytes-like object."""
-    return xxhash.xxh3_64_intdigest(data)
+    """Checksum of a contiguous bytes-like object, hashed in CHUNK pieces."""
+    view = memoryview(data).cast("B")
+    h = xxhash.xxh3_64()
+    for off in range(0, len(view), CHUNK):
+        h.update(view[off : off + CHUNK])
+    return h.intdigest()
 
 
 def copy_with_checksum(dst: torch.Tensor, src: torch.Tensor) -> int:

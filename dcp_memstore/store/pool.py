@@ -69,7 +69,7 @@ class FilePool:
         free = [st for e in self._entries() if (st := _stat(e)) is not None]
         missing = []
         for size in sorted((round_up(s) for s in sizes), reverse=True):
-            fits = [f for f in free if size <= f.st_size <= size * _MAX_SLACK]
+            fits = [f for f in free if _fits(f.st_size, size)]
             if fits:
                 free.remove(min(fits, key=lambda f: f.st_size))
             else:
@@ -101,11 +101,16 @@ class FilePool:
             st = _stat(e)
             if st is None:
                 continue
-            if size <= st.st_size <= size * _MAX_SLACK:
+            if _fits(st.st_size, size):
                 fitting.append((not MAPPINGS.is_mapped((st.st_dev, st.st_ino)), st.st_size, e))
             else:
                 misfits.append(e)
         return [e for *_, e in sorted(fitting, key=lambda f: f[:2])], misfits
+
+
+def _fits(file_size: int, size: int) -> bool:
+    """Whether a pooled file of ``file_size`` bytes serves a file of ``size`` bytes (rounded up)."""
+    return size <= file_size <= size * _MAX_SLACK
 
 
 def _stat(e: os.DirEntry) -> os.stat_result | None:

@@ -29,7 +29,7 @@ import torch
 from dcp_memstore.store.catalog import claim_owner, recycle
 from dcp_memstore.store.layout import StoreLayout, reserve_name, shard_name
 from dcp_memstore.store.mapping import MAPPINGS
-from dcp_memstore.store.pool import FilePool, round_up
+from dcp_memstore.store.pool import FilePool
 from dcp_memstore.store.space import allocate_file, free_bytes
 from dcp_memstore.store.threads import yield_cpu_to_training
 
@@ -90,10 +90,10 @@ class Reservation:
         yield_cpu_to_training()
         pool = FilePool(self.layout, self.rank)
         try:
-            missing = pool.unmatched(self.sizes)
-            needed = sum(round_up(s) for s in missing)
+            missing = pool.unmatched(self.sizes)  # page-rounded, as allocated
             if not missing:
                 return
+            needed = sum(missing)
             free = free_bytes(self.layout.job_dir)
             ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # the others may reserve as much now
             if needed * ranks_here > free:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import shutil
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -52,9 +51,6 @@ class TierProgress:
         for f in files:
             with contextlib.suppress(FileNotFoundError):
                 (self.dir / group / f).unlink()
-
-    def forget_group(self, group: str) -> None:
-        shutil.rmtree(self.dir / group, ignore_errors=True)
 
     def report(self, key: str, state: str, error: str | None = None, **extra: object) -> None:
         """Record the state of this process's work (``key``: which process and, if needed, which peer)."""
