@@ -24,16 +24,16 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import IO, Any, NoReturn, TypeVar
 
 import psutil
 import torch
@@ -48,6 +48,13 @@ FAIL_RANK = 1
 JOB_ID = "demo"
 REFERENCE_JOB_ID = "demo-reference"
 RUN_TIMEOUT_S = 120.0
+STACK_DUMP_WAIT_S = 0.5  # per process
+# torchrun (``python -m torch.distributed.run``) that prints every thread's Python stack on SIGUSR1, as the
+# training processes do (``demo_train.stacks_on_sigusr1``): a job that hangs shows where in its log.
+TORCHRUN_WITH_STACKS = (
+    "import faulthandler, signal, sys; faulthandler.register(signal.SIGUSR1, all_threads=True); "
+    "from torch.distributed.run import main; sys.exit(main())"
+)
 
 
 @dataclass
@@ -93,13 +100,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "the crash and the crash happens during training"
         )
     return args
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def loss_text(hexed: str) -> str:
@@ -154,8 +154,10 @@ def torchrun_job(
     ``res.timed_out``; an exception here (Ctrl-C) kills them the same way before it propagates."""
     assert res.log is not None
     cmd = [
-        *(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)),
-        *("--master-addr", "127.0.0.1", "--master-port", str(free_port())),
+        *(sys.executable, "-c", TORCHRUN_WITH_STACKS, "--nproc-per-node", str(nproc)),
+        # the rendezvous store binds a port of its own choosing: no port picked here that another
+        # process could take before torchrun binds it
+        *("--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-id", uuid.uuid4().hex),
         *("--max-restarts", "0", "--monitor-interval", "0.1", str(script)),
         *map(str, script_args),
     ]
@@ -167,6 +169,7 @@ def torchrun_job(
 
         def on_timeout() -> None:
             res.timed_out = True
+            dump_stacks(proc.pid, log)
             kill_tree(proc.pid, res.worker_pids)
 
         watchdog = threading.Timer(RUN_TIMEOUT_S if timeout_s is None else timeout_s, on_timeout)
@@ -241,6 +244,20 @@ def _handle_event(
         )
 
 
+def dump_stacks(pid: int, log: IO[str]) -> None:
+    """Have torchrun ``pid`` and then each of its workers print their Python stacks into the job's log
+    (SIGUSR1, see ``TORCHRUN_WITH_STACKS``), one process at a time so that the stacks do not interleave."""
+    log.write("\n--- the job did not end in time: the Python stacks of torchrun and its workers ---\n")
+    with contextlib.suppress(psutil.NoSuchProcess):
+        root = psutil.Process(pid)
+        for p in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                log.write(f"--- pid {p.pid}: {' '.join(p.cmdline()[-4:])}\n")
+                log.flush()
+                p.send_signal(signal.SIGUSR1)
+                time.sleep(STACK_DUMP_WAIT_S)
+
+
 def kill_tree(pid: int, extra: list[int]) -> None:
     """SIGKILL process ``pid``, its descendants and the processes ``extra`` (torchrun puts each worker in a
     session of its own, so killing torchrun's process group would miss them)."""
@@ -280,7 +297,7 @@ def fail(msg: str, res: RunResult | None = None) -> NoReturn:
     """Stop the demo with a clear message (and the tail of the job's log) and exit code 1."""
     print(f"\nFAIL: {msg}", flush=True)
     if res is not None and res.log is not None and res.log.exists():
-        tail = res.log.read_text().splitlines()[-25:]
+        tail = res.log.read_text().splitlines()[-(300 if res.timed_out else 25) :]  # stacks of a hang
         print(f"--- last lines of {res.label}'s log ({res.log}) ---")
         print("\n".join(tail))
     sys.exit(1)

@@ -21,8 +21,10 @@ Rank 0 reports progress as one JSON object per line on stdout, prefixed with ``@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -56,6 +58,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--final-params", required=True, help="rank 0 writes the final parameters here (torch.save)"
     )
     return p.parse_args(argv)
+
+
+def stacks_on_sigusr1() -> None:
+    """Print every thread's Python stack to stderr on SIGUSR1: the driver sends it to a job that does not
+    end in time, so the job's log shows where each process was."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def emit(**event: Any) -> None:
@@ -143,6 +151,7 @@ def wait_to_be_killed(rank: int, step: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Train, checkpointing asynchronously, resuming from the store if it holds a checkpoint."""
     args = parse_args(argv)
+    stacks_on_sigusr1()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)  # fixed thread count: the same reduction order in every run

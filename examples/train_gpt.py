@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from demo import RUN_TIMEOUT_S, RunResult, compare_params, fail, loss_text, torchrun_job, wait_gone
-from demo_train import checkpoint, emit
+from demo_train import checkpoint, emit, stacks_on_sigusr1
 from gpt_model import CORPUS, GPT, GPTConfig, TextBatches
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel
@@ -270,6 +270,7 @@ def pick_device(choice: str, nproc: int) -> str:
 
 def train(args: argparse.Namespace) -> None:
     """One rank: build, resume if the store has a checkpoint, train, checkpoint asynchronously, maybe crash."""
+    stacks_on_sigusr1()
     make_deterministic()
     local_rank = int(os.environ["LOCAL_RANK"])
     device = torch.device(pick_device(args.device, int(os.environ["LOCAL_WORLD_SIZE"])))
