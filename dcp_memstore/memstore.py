@@ -388,12 +388,21 @@ class MemStore(ReplicatingStore):
             if remote_commit(self.target, cid) is None:
                 self.open_checkpoint(cid)  # raises FileNotFoundError naming what exists
             return CheckpointStatus(cid, False, "persisted", persisted_url=url)
+        st = self._local_persist_status(cid, url)
+        # Eviction renames the checkpoint's directory away at once: if it is still there, every record read
+        # above was this checkpoint's; if not (published and evicted meanwhile), ask again.
+        if st is None or catalog.read_commit(self.layout, cid) is None:
+            return self._persist_status(cid)
+        return st
+
+    def _local_persist_status(self, cid: str, url: str) -> CheckpointStatus | None:
+        """The upload state of ``cid`` from its records in memory; None if it was evicted while reading."""
         progress = Progress(self.layout, cid)
         owed = progress.owed()  # before persisted(): publication writes PERSISTED, then drops the hold
         try:
             files = len(Manifest.read(self.layout.checkpoint_dir(cid) / MANIFEST).files)
-        except FileNotFoundError:  # evicted (after being persisted) or deleted meanwhile
-            return self._persist_status(cid)
+        except FileNotFoundError:
+            return None
         counts = {"files_uploaded": min(files, len(progress.done_files())), "files_total": files}
         if progress.persisted():
             return CheckpointStatus(cid, True, "persisted", persisted_url=url, **counts)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dcp_memstore import MemStore, PersistError
+from dcp_memstore.persist.progress import Progress
 from dcp_memstore.persist.target import COMMITTED, STOCK_METADATA
 from dcp_memstore.store import catalog
 from tests.dcp.dcp_state import assert_tree_equal, blank_like, load, save, snapshot
@@ -79,6 +80,30 @@ print("STOCK-OK")
 """
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert "STOCK-OK" in res.stdout, res.stderr[-3000:]
+
+
+def test_status_of_a_checkpoint_evicted_while_status_reads_it_is_persisted(shm_dir, bucket_dir, monkeypatch):
+    """Published, then evicted between status()'s reads of its records (the hold already gone, PERSISTED
+    not yet read): status says persisted, not "not requested", and wait_persisted returns. The eviction is
+    injected at that point (a patched read), since no real timing can hit the gap reliably."""
+    with _pstore(shm_dir, bucket_dir, persist_on_close=False) as store:
+        save(store, _state(1), "a")
+        store.persist("a")
+        store.wait_persisted("a", timeout=60)
+        real = Progress.persisted
+        evictions = []
+
+        def evicted_first(progress):
+            if not evictions:
+                evictions.append(progress.checkpoint_id)
+                catalog.discard(store.layout, store.layout.checkpoint_dir(progress.checkpoint_id))
+            return real(progress)
+
+        monkeypatch.setattr(Progress, "persisted", evicted_first)
+        st = store.status("a")
+        assert evictions == ["a"]
+        assert (st.in_memory, st.persist, st.persisted) == (False, "persisted", True)
+        assert store.wait_persisted("a", timeout=5).persisted
 
 
 def test_close_persists_the_newest_checkpoint(shm_dir, bucket_dir):
