@@ -120,30 +120,46 @@ class Persister:
     def _run(self) -> None:
         yield_cpu_to_training()
         while not self._stop.is_set():
+            pending: set[tuple] = set()
             for rec in catalog.committed(self.layout):
                 if self._stop.is_set():
                     break
                 try:
-                    self._attempt(rec)
+                    if self._attempt(rec):
+                        pending.add(_save_key(rec))
                 except Exception:  # noqa: BLE001 - e.g. deleted under us; the thread must go on
+                    pending.add(_save_key(rec))
                     log.exception("persister: checkpoint %r", rec.checkpoint_id)
+            else:
+                self._forget_all_but(pending)
             self._wake.wait(POLL_S)
             self._wake.clear()
 
-    def _attempt(self, rec: catalog.CommitRecord) -> None:
+    def _forget_all_but(self, pending: set[tuple]) -> None:
+        """Keep what this process remembers (manifests, checks, retry times) only for saves it still has to
+        upload: a save published by another local process, failed for good, evicted or deleted is forgotten,
+        so a long job's persister holds no more than its backlog."""
+        ids = {save[0] for save in pending}
+        self._manifests = {save: m for save, m in self._manifests.items() if save in pending}
+        self._checked &= pending
+        self._retry_at = {cid: v for cid, v in self._retry_at.items() if cid in ids}
+        self._check_at = {cid: v for cid, v in self._check_at.items() if cid in ids}
+
+    def _attempt(self, rec: catalog.CommitRecord) -> bool:
+        """Advance ``rec``'s upload if it is owed; whether it is still owed and this process may go on with it."""
         cid = rec.checkpoint_id
         progress = Progress(self.layout, cid)
         if not progress.owed():
-            return
+            return False
         if progress.persisted():  # a hold placed while it was being published
             progress.mark_persisted()
-            return
+            return False
         rank = global_rank()
         if any(s.get("state") == "failed" and s.get("pid") == os.getpid() for s in progress.states()):
-            return  # failed for good in this process: wait for store.persist(id) (or a restart)
+            return False  # failed for good in this process: wait for store.persist(id) (or a restart)
         next_at, backoff = self._retry_at.get(cid, (0.0, BACKOFF_START_S))
         if time.monotonic() < next_at:
-            return
+            return True
         try:
             self._advance(rec, progress, rank)
             self._retry_at.pop(cid, None)
@@ -151,18 +167,19 @@ class Persister:
             if _permanent(e):
                 log.error("persisting checkpoint %r to %s failed: %s", cid, self.target.url, e)
                 progress.report(rank, "failed", _describe(e))
-            else:
-                log.warning(
-                    "persisting checkpoint %r to %s: %s; retrying in %.1f s", cid, self.target.url, e, backoff
-                )
-                progress.report(rank, "retrying", _describe(e))
-                self._retry_at[cid] = (time.monotonic() + backoff, min(backoff * 2, BACKOFF_MAX_S))
+                return False
+            log.warning(
+                "persisting checkpoint %r to %s: %s; retrying in %.1f s", cid, self.target.url, e, backoff
+            )
+            progress.report(rank, "retrying", _describe(e))
+            self._retry_at[cid] = (time.monotonic() + backoff, min(backoff * 2, BACKOFF_MAX_S))
+        return progress.owed() and not progress.persisted()
 
     def _advance(self, rec: catalog.CommitRecord, progress: Progress, rank: int) -> None:
         """Upload this process's share of ``rec``'s files; publish once every file is uploaded."""
         cid = rec.checkpoint_id
         progress.prepare()
-        save = (cid, rec.seq, rec.committed_at)
+        save = _save_key(rec)
         if save not in self._checked:  # once per process and save: is the id already taken remotely?
             self._settle_if_published(rec, progress)
             self._checked.add(save)
@@ -213,8 +230,6 @@ class Persister:
                 self._settle_if_published(rec, progress)
             progress.mark_persisted()
         progress.report(rank, "persisted")
-        self._check_at.pop(cid, None)
-        self._manifests.pop(save, None)
         catalog.evict(self.layout, self.keep)  # it may have been held past its turn
 
     def _upload(
@@ -247,6 +262,11 @@ class Persister:
                 f"{rec.checkpoint_id!r}; delete it there, or save under a new id"
             )
         progress.mark_persisted()
+
+
+def _save_key(rec: catalog.CommitRecord) -> tuple:
+    """One save of a checkpoint id (an id saved again after a deletion is another save)."""
+    return (rec.checkpoint_id, rec.seq, rec.committed_at)
 
 
 def _permanent(e: BaseException) -> bool:
