@@ -501,7 +501,7 @@ class MemStore(ReplicatingStore):
         wait for uploads."""
         if self._closed:
             return
-        stop_reservations(self.layout)
+        stop_reservations(self)  # of saves staged through this store
         try:
             if self._persister is not None:
                 self._drain(timeout)

@@ -162,7 +162,9 @@ class Stager:
             held = len(committed(self.store.layout)) + len(self._active_slots())
             if held <= self.store.keep_in_memory:
                 device = torch.cuda.current_device() if gpu else None
-                self._reservation = Reservation(self.store.layout, rank, file_sizes, cuda_device=device)
+                self._reservation = Reservation(
+                    self.store.layout, rank, file_sizes, cuda_device=device, owner=self.store
+                )
         except Exception as e:  # noqa: BLE001 - only an optimisation: this save is staged already
             log.info("could not start allocating the next save's files ahead of time: %s", e)
 

@@ -1,19 +1,20 @@
 """Allocating the next save's shard files ahead of time, in the background.
 
-Until a job holds ``keep_in_memory`` checkpoints, every save needs new tmpfs files, and allocating,
-zeroing and faulting in their pages is most of what such a save costs: on the development VM, where the
-host reclaims memory the guest freed, 0.6 to 3.4 s per GiB, while ``dcp.async_save`` holds training.
-Once a save has been staged, and when its commit will not evict a checkpoint whose files the next save
-could reuse, the stager reserves files of the same sizes here: a background thread at low CPU priority
-allocates them in an area of their own inside the rank's pool directory, maps them (page-locked for CUDA where the save staged GPU
-tensors) and moves them into the rank's pool, where the next save claims them as it would claim the files
-of an evicted checkpoint.
+Until a job holds ``keep_in_memory`` checkpoints, every save needs new tmpfs files, and allocating, zeroing
+and faulting in their pages is most of what such a save costs: on the development VM, where the host
+reclaims memory the guest freed, 0.6 to 3.4 s per GiB, while ``dcp.async_save`` holds training. Once a save
+has been staged, and when its commit will not evict a checkpoint whose files the next save could reuse, the
+stager reserves files of the same sizes here: a background thread at low CPU priority allocates them in an
+area of their own inside the rank's pool directory, maps them (page-locked for CUDA where the save staged
+GPU tensors) and moves them into the rank's pool, where the next save claims them as it would claim the
+files of an evicted checkpoint.
 
 The job never holds more files this way than it does in steady state (``keep_in_memory`` checkpoints plus
 the saves in flight), a reservation that does not fit in free memory is skipped, and one that fails is
-logged and dropped: the next save then allocates its files itself, as without a reservation. The next
-save stops a reservation still running and allocates what it had not started; closing the store, or the
-interpreter, stops it too (after the file being allocated), so a closed store allocates nothing more.
+logged and dropped: the next save then allocates its files itself, as without a reservation. The next save
+stops a reservation still running and allocates what it had not started; closing the store that staged the
+save, or the interpreter, stops it too (after the file being allocated), so a closed store allocates nothing
+more.
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ _lock = threading.Lock()
 _running: set[Reservation] = set()
 
 
-def stop_reservations(layout: StoreLayout | None = None) -> None:
-    """Stop this process's reservations (for ``layout``'s job, or all) and wait until they have stopped."""
+def stop_reservations(owner: object | None = None) -> None:
+    """Stop this process's reservations (those started for ``owner``, a store, or all) and wait until they
+    have stopped. Closing one store of a job leaves the reservations of its other stores running."""
     with _lock:
-        mine = [r for r in _running if layout is None or r.layout.job_dir == layout.job_dir]
+        mine = [r for r in _running if owner is None or r.owner is owner]
     for r in mine:
         r.stop()
 
@@ -60,10 +62,19 @@ atexit.register(stop_reservations)  # not inside cudaHostRegister while CUDA shu
 class Reservation:
     """Pool files for the next save of one rank, being allocated on a background thread."""
 
-    def __init__(self, layout: StoreLayout, rank: int, sizes: list[int], cuda_device: int | None) -> None:
+    def __init__(
+        self,
+        layout: StoreLayout,
+        rank: int,
+        sizes: list[int],
+        cuda_device: int | None,
+        owner: object | None = None,
+    ) -> None:
         """Start allocating files of ``sizes`` bytes for ``rank``; with ``cuda_device``, also page-lock
-        them for CUDA (from that device, the caller's: a new thread would start a context on device 0)."""
+        them for CUDA (from that device, the caller's: a new thread would start a context on device 0).
+        ``owner``: the store whose ``close()`` stops it."""
         self.layout, self.rank, self.sizes, self.cuda_device = layout, rank, sizes, cuda_device
+        self.owner = owner
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dcp_memstore_reserve", daemon=True)
         with _lock:

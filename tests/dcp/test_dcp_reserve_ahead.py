@@ -144,11 +144,15 @@ def test_a_reservation_killed_half_way_is_cleared_at_the_next_start(shm_dir):
         store.close()
 
 
-def test_closing_the_store_stops_its_reservation(shm_dir):
+def test_closing_the_store_stops_its_reservation_and_closing_another_store_does_not(shm_dir):
     store = MemStore(root=shm_dir, job_id="job", io_threads=1)
+    other = MemStore(root=shm_dir, job_id="job", io_threads=1)  # e.g. an evaluation loop's store
     pool = FilePool(store.layout, 0).dir
-    Reservation(store.layout, 0, [64 << 20] * 64, cuda_device=None)  # 4 GiB: far from done at close
+    # 4 GiB: far from done at close
+    reservation = Reservation(store.layout, 0, [64 << 20] * 64, cuda_device=None, owner=store)
     _wait_for_a_reserved_file(pool)
+    other.close()
+    assert reservation._thread.is_alive()
     store.close()
     pooled = sorted(pool.glob(f"*{SHARD_SUFFIX}"))
     assert 0 < len(pooled) < 64  # it had started, and it stopped
