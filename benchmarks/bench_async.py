@@ -6,9 +6,10 @@ steady state once evicted checkpoints' files come back from the pool (from the 4
 ``keep_in_memory=2``): this prints the blocking time of each save against a plain memcpy of the same
 tensors with the same threads, measured just before it. ``--gap`` is the training time between saves (the
 process sleeps, as a trainer whose steps run on the GPU leaves the CPU idle): the first saves have the
-next saves' files allocated in the background meanwhile.
+next saves' files allocated in the background meanwhile. ``--sync`` times ``dcp.save`` instead (training
+waits for the whole save), which has the next save's files allocated ahead in the same way.
 
-    python benchmarks/bench_async.py [--size-gib 1] [--tensors 64] [--saves 8] [--gap 0]
+    python benchmarks/bench_async.py [--size-gib 1] [--tensors 64] [--saves 8] [--gap 0] [--sync]
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def main() -> None:
     p.add_argument("--tensors", type=int, default=64)
     p.add_argument("--saves", type=int, default=8)
     p.add_argument("--gap", type=float, default=0.0, help="seconds of 'training' between saves")
+    p.add_argument("--sync", action="store_true", help="time dcp.save instead of dcp.async_save")
     args = p.parse_args()
     warnings.simplefilter("ignore")  # dcp warns that no process group is initialised
     numel = int(args.size_gib * (1 << 30)) // 4 // args.tensors
@@ -50,18 +52,20 @@ def main() -> None:
             f"{args.size_gib:g} GiB in {args.tensors} tensors, io_threads={store.io_threads}, keep_in_memory=2, "
             f"{args.gap:g} s between saves"
         )
-        print("| save | memcpy s | async_save blocking s | ratio |")
+        print(f"| save | memcpy s | {'save' if args.sync else 'async_save'} blocking s | ratio |")
         print("|---|---|---|---|")
         for i in range(args.saves):
             time.sleep(args.gap if i else 0.0)
             t0 = time.perf_counter()
             memcpy()
             t1 = time.perf_counter()
-            fut = dcp.async_save(
+            save = dcp.save if args.sync else dcp.async_save
+            done = save(
                 sd, checkpoint_id=f"step-{i}", storage_writer=MemoryStorageWriter(store), no_dist=True
             )
             t2 = time.perf_counter()
-            fut.result()
+            if not args.sync:
+                done.result()
             print(f"| {i + 1} | {t1 - t0:.3f} | {t2 - t1:.3f} | {(t2 - t1) / (t1 - t0):.2f} |")
         store.close()
     finally:

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_memstore.dcp.metadata_codec import dtype_name
+from dcp_memstore.dcp.stager import Stager
 from dcp_memstore.memstore import MemStore
 from dcp_memstore.store import catalog
 from dcp_memstore.store.checksum import (
@@ -87,6 +88,9 @@ class RankWrite:
         needed = sum(t.numel() * t.element_size() for _, t in to_copy) + sum(len(b) for _, b in objects)
         self.store.check_space(needed, self.rank)
         copy_files = self._place_copies(to_copy, next_index)
+        stager = Stager.of(self.store) if self.slot is None and copy_files else None
+        if stager is not None:  # dcp.save: claim what was allocated ahead for it, allocate the rest here
+            stager.wait_reserved(stop=True)
 
         jobs = [
             functools.partial(self._checksum_staged, names[k], entries) for k, (_, entries) in staged.items()
@@ -94,6 +98,9 @@ class RankWrite:
         jobs += [functools.partial(self._copy_into, f) for f in copy_files]
         for part in run_parallel(lambda job: job(), jobs, self.store.io_threads):
             self.results.extend(part)
+        if stager is not None:
+            gpu = any(t.device.type == "cuda" for _, t in to_copy)
+            stager.reserve_next(self.rank, [size for _, size, _ in copy_files], gpu, unstaged=True)
         self._write_objects(objects)
         crash_point("write-data", self.rank)
         for key, (mf, _) in staged.items():

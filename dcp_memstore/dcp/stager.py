@@ -104,7 +104,7 @@ class Stager:
                     for t, p in zip(originals, placements, strict=True)
                 ]
                 self._copy(originals, views, placements, files)
-                self._reserve_next(rank, file_sizes, any(t.device.type == "cuda" for t in originals))
+                self.reserve_next(rank, file_sizes, any(t.device.type == "cuda" for t in originals))
                 by_id = {id(t): v for t, v in zip(originals, views, strict=True)}
 
                 def replace(t: torch.Tensor) -> torch.Tensor:
@@ -153,13 +153,13 @@ class Stager:
         elif reservation is not None:
             reservation.wait()
 
-    def _reserve_next(self, rank: int, file_sizes: list[int], gpu: bool) -> None:
+    def reserve_next(self, rank: int, file_sizes: list[int], gpu: bool, unstaged: bool = False) -> None:
         """Have the next save's files allocated in the background if it could not reuse an evicted
-        checkpoint's: when the checkpoints committed plus the saves in flight (this one included) do not
-        exceed keep_in_memory, this save's commit evicts nothing. The job then never holds more files than
-        in steady state."""
+        checkpoint's: when the checkpoints committed plus the saves in flight (this one included: a staged
+        save by its slot, an ``unstaged`` one, ``dcp.save``, counted here) do not exceed keep_in_memory,
+        this save's commit evicts nothing. The job then never holds more files than in steady state."""
         try:
-            held = len(committed(self.store.layout)) + len(self._active_slots())
+            held = len(committed(self.store.layout)) + len(self._active_slots()) + int(unstaged)
             if held <= self.store.keep_in_memory:
                 device = torch.cuda.current_device() if gpu else None
                 self._reservation = Reservation(

@@ -3,8 +3,8 @@
 Until a job holds ``keep_in_memory`` checkpoints, every save needs new tmpfs files, and allocating, zeroing
 and faulting in their pages is most of what such a save costs: on the development VM, where the host
 reclaims memory the guest freed, 0.6 to 3.4 s per GiB, while ``dcp.async_save`` holds training. Once a save
-has been staged, and when its commit will not evict a checkpoint whose files the next save could reuse, the
-stager reserves files of the same sizes here: a background thread at low CPU priority allocates them in an
+has been staged (``dcp.async_save``) or written (``dcp.save``), and when its commit will not evict a
+checkpoint whose files the next save could reuse, the stager reserves files of the same sizes here: a background thread at low CPU priority allocates them in an
 area of their own inside the rank's pool directory, maps them (page-locked for CUDA where the save staged
 GPU tensors) and moves them into the rank's pool, where the next save claims them as it would claim the
 files of an evicted checkpoint.

@@ -1,5 +1,5 @@
-"""Files allocated ahead of the next async save, in the background, while a job has fewer checkpoints than
-it keeps: the next save claims them, the job never holds more files than in steady state, a reservation
+"""Files allocated ahead of the next save (async or not), in the background, while a job has fewer
+checkpoints than it keeps: the next save claims them, the job never holds more files than in steady state, a reservation
 that does not fit is skipped, and one killed half-way leaves nothing that a restart does not clear."""
 
 from __future__ import annotations
@@ -34,6 +34,14 @@ def _async_save(store: MemStore, state: dict, cid: str) -> None:
     Stager.of(store).wait_reserved()
 
 
+def _sync_save(store: MemStore, state: dict, cid: str) -> None:
+    dcp.save(state, checkpoint_id=cid, storage_writer=MemoryStorageWriter(store), no_dist=True)
+    Stager.of(store).wait_reserved()
+
+
+SAVES = pytest.mark.parametrize("save", [_async_save, _sync_save], ids=["async_save", "save"])
+
+
 def _load(store: MemStore, cid: str, n: int = 1 << 18) -> dict:
     out = {"w": torch.zeros(n), "b": torch.zeros(1000)}
     dcp.load(out, checkpoint_id=cid, storage_reader=MemoryStorageReader(store), no_dist=True)
@@ -48,13 +56,14 @@ def _shard_files(store: MemStore) -> list[Path]:
     return [p for p in store.layout.job_dir.rglob(f"*{SHARD_SUFFIX}") if p.is_file()]
 
 
-def test_the_second_async_save_claims_the_files_allocated_ahead_for_it(shm_dir):
+@SAVES
+def test_the_second_save_claims_the_files_allocated_ahead_for_it(shm_dir, save):
     store = MemStore(root=shm_dir, job_id="job", io_threads=2, keep_in_memory=2)
     try:
-        _async_save(store, _state(1.0), "s0")
+        save(store, _state(1.0), "s0")
         reserved = _inodes(FilePool(store.layout, 0).dir)
         assert len(reserved) == 2  # one per I/O thread, like the save's own files
-        _async_save(store, _state(2.0), "s1")
+        save(store, _state(2.0), "s1")
         assert _inodes(store.layout.checkpoint_dir("s1")) == reserved
         for cid, v in (("s0", 1.0), ("s1", 2.0)):
             out = _load(store, cid)
@@ -64,13 +73,14 @@ def test_the_second_async_save_claims_the_files_allocated_ahead_for_it(shm_dir):
         store.close()
 
 
-def test_a_job_never_holds_more_files_than_in_steady_state(shm_dir):
+@SAVES
+def test_a_job_never_holds_more_files_than_in_steady_state(shm_dir, save):
     keep, threads = 2, 2
     store = MemStore(root=shm_dir, job_id="job", io_threads=threads, keep_in_memory=keep)
     try:
         counts = []
         for i in range(6):
-            _async_save(store, _state(float(i)), f"s{i}")
+            save(store, _state(float(i)), f"s{i}")
             counts.append(len(_shard_files(store)))
         # keep_in_memory checkpoints and one more save's files, never more: from the third save on the
         # next save reuses an evicted checkpoint's files instead of a reservation
