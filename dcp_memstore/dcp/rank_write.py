@@ -88,9 +88,8 @@ class RankWrite:
         needed = sum(t.numel() * t.element_size() for _, t in to_copy) + sum(len(b) for _, b in objects)
         self.store.check_space(needed, self.rank)
         copy_files = self._place_copies(to_copy, next_index)
+        # dcp.save (no staging slot) has the next save's files allocated ahead once its own are written
         stager = Stager.of(self.store) if self.slot is None and copy_files else None
-        if stager is not None:  # dcp.save: claim what was allocated ahead for it, allocate the rest here
-            stager.wait_reserved(stop=True)
 
         jobs = [
             functools.partial(self._checksum_staged, names[k], entries) for k, (_, entries) in staged.items()

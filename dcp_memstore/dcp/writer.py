@@ -187,6 +187,9 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                 "save under a new id or remove it first with store.delete(id)"
             )
         if self._current is None:  # not staged: this save copies every tensor into new shard files
+            # Files allocated ahead for it count once they are in the pool; those still being allocated
+            # would count nowhere, so the reservation stops first (the save allocates the rest itself).
+            Stager.of(self.store).wait_reserved(stop=True)
             needed = sum(_nbytes(it) for it in plan.items)
             self.store.check_space(needed, self.rank)
         return plan

@@ -9,6 +9,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_memstore import MemoryStorageReader, MemoryStorageWriter, MemStore
+from dcp_memstore.dcp.stager import Stager
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -132,7 +133,9 @@ def load_fresh(store: MemStore, like: dict, cid: str) -> dict:
 
 def store_tree(store: MemStore, pool: bool = True) -> list[str]:
     """Every path under the store root (relative), to show that a failed call wrote nothing. With
-    ``pool=False`` the file pool is left out: a failed async save gives its staged files to the pool."""
+    ``pool=False`` the file pool is left out: a failed async save gives its staged files to the pool.
+    Files that an earlier save is still allocating ahead in the background are waited for first."""
+    Stager.of(store).wait_reserved()
     root = str(store.root)
     out = []
     for d, dirs, files in os.walk(root):

@@ -122,6 +122,31 @@ def test_a_reservation_that_fits_allocates_through_the_same_call(shm_dir, alloca
         store.close()
 
 
+def test_a_save_while_its_files_are_still_being_allocated_ahead_has_room(small_tmpfs, monkeypatch):
+    """3 MiB checkpoints in an 8 MiB tmpfs: while the reservation after s0 still holds its file in its area
+    (each allocation patched to take 1 s more: a timing no real run hits on demand), free space is 2 MiB.
+    The next dcp.save stops the reservation before checking space, so the reserved file counts (it is in
+    the pool) and the save claims it, instead of failing for lack of space."""
+    real = reserve.allocate_file
+
+    def slow(path, size):
+        fd = real(path, size)
+        time.sleep(1.0)
+        return fd
+
+    monkeypatch.setattr(reserve, "allocate_file", slow)
+    store = MemStore(root=small_tmpfs, job_id="job", io_threads=1, keep_in_memory=2)
+    n = 3 << 18
+    try:
+        dcp.save(_state(1.0, n), checkpoint_id="s0", storage_writer=MemoryStorageWriter(store), no_dist=True)
+        _wait_for_a_reserved_file(FilePool(store.layout, 0).dir)
+        dcp.save(_state(2.0, n), checkpoint_id="s1", storage_writer=MemoryStorageWriter(store), no_dist=True)
+        for cid, v in (("s0", 1.0), ("s1", 2.0)):
+            assert torch.equal(_load(store, cid, n)["w"], torch.full((n,), v))
+    finally:
+        store.close()
+
+
 _RESERVE_FOREVER = textwrap.dedent(
     """
     import sys
