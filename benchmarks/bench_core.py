@@ -512,12 +512,14 @@ def async_save(
 
 
 def drop_store(ranks: Ranks, store: MemStore) -> None:
-    """Delete a store's files (rank 0) and release every rank's mappings of them."""
+    """Close a store (which stops the allocation of its next save's files), delete its files (rank 0) and
+    release every rank's mappings of them."""
+    ranks.barrier()
+    store.close()
     ranks.barrier()
     if ranks.rank == 0:
         shutil.rmtree(store.layout.job_dir, ignore_errors=True)
     ranks.barrier()
-    store.close()
     gc.collect()
     MAPPINGS.prune()
 

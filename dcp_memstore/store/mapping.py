@@ -91,6 +91,12 @@ class MappedFile:
             torch.cuda.cudart().cudaHostUnregister(self.address)
             self.host_registered = False
 
+    def populate(self, offset: int = 0, nbytes: int | None = None) -> None:
+        """Fault in ``nbytes`` bytes of the mapping from ``offset`` (default: all of it) in one call."""
+        n = self.size - offset if nbytes is None else min(nbytes, self.size - offset)
+        if n > 0:
+            _populate(self.address + offset, n)
+
     def exists(self) -> bool:
         """False once the file has been deleted from every directory."""
         return os.fstat(self.fd).st_nlink > 0
@@ -130,8 +136,9 @@ class _MappingCache:
         self._by_key: dict[tuple[int, int], MappedFile] = {}
         self._by_address: dict[int, MappedFile] = {}
 
-    def map_fd(self, fd: int) -> MappedFile:
-        """Map the file open as ``fd``, its pages faulted in (the cache takes ownership of ``fd``)."""
+    def map_fd(self, fd: int, populate: bool = True) -> MappedFile:
+        """Map the file open as ``fd`` (the cache takes ownership of ``fd``), its pages faulted in unless
+        ``populate`` is False (the caller then faults them in, see ``MappedFile.populate``)."""
         st = os.fstat(fd)
         key = (st.st_dev, st.st_ino)
         with self._lock:
@@ -145,8 +152,9 @@ class _MappingCache:
             os.close(fd)
             raise ValueError("cannot map an empty shard file")
         storage = torch.UntypedStorage._new_shared_fd_cpu(fd, st.st_size)
-        _populate(storage.data_ptr(), st.st_size)
         mf = MappedFile(key=key, fd=fd, size=st.st_size, storage=storage)
+        if populate:
+            mf.populate()
         with self._lock:
             self._by_key[key] = mf
             self._by_address[mf.address] = mf
