@@ -391,8 +391,13 @@ class MemStore(ReplicatingStore):
         st = self._local_persist_status(cid, url)
         # Eviction renames the checkpoint's directory away at once: if it is still there, every record read
         # above was this checkpoint's; if not (published and evicted meanwhile), ask again.
-        if st is None or catalog.read_commit(self.layout, cid) is None:
+        if catalog.read_commit(self.layout, cid) is None:
             return self._persist_status(cid)
+        if st is None:
+            raise FileNotFoundError(
+                f"checkpoint {cid!r} is committed in {self.layout.checkpoint_dir(cid)} but has no {MANIFEST}: "
+                "the store is damaged there; remove it with store.delete(id)"
+            )
         return st
 
     def _local_persist_status(self, cid: str, url: str) -> CheckpointStatus | None:
@@ -501,7 +506,7 @@ class MemStore(ReplicatingStore):
         wait for uploads."""
         if self._closed:
             return
-        stop_reservations(self)  # of saves staged through this store
+        stop_reservations(self)  # started by saves through this store
         try:
             if self._persister is not None:
                 self._drain(timeout)

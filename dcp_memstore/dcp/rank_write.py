@@ -47,9 +47,15 @@ class RankWrite:
         slot: str | None,
         plan: SavePlan,
         planner: SavePlanner,
+        reserve_ahead: bool = True,
     ) -> None:
+        """``reserve_ahead``: a save that copies its tensors (not staged) has the next save's files allocated
+        in the background once it is committed; not where nothing would claim them (DCP's checkpoint
+        process)."""
         self.store = store
         self.rank = rank
+        self.checkpoint_id = checkpoint_id
+        self.reserve_ahead = reserve_ahead
         self.dir = store.layout.checkpoint_dir(checkpoint_id)
         self.slot = slot
         self.plan, self.planner = plan, planner
@@ -88,8 +94,7 @@ class RankWrite:
         needed = sum(t.numel() * t.element_size() for _, t in to_copy) + sum(len(b) for _, b in objects)
         self.store.check_space(needed, self.rank)
         copy_files = self._place_copies(to_copy, next_index)
-        # dcp.save (no staging slot) has the next save's files allocated ahead once its own are written
-        stager = Stager.of(self.store) if self.slot is None and copy_files else None
+        stager = Stager.of(self.store) if self.reserve_ahead and self.slot is None and copy_files else None
 
         jobs = [
             functools.partial(self._checksum_staged, names[k], entries) for k, (_, entries) in staged.items()
@@ -99,7 +104,8 @@ class RankWrite:
             self.results.extend(part)
         if stager is not None:
             gpu = any(t.device.type == "cuda" for _, t in to_copy)
-            stager.reserve_next(self.rank, [size for _, size, _ in copy_files], gpu, unstaged=True)
+            sizes = [size for _, size, _ in copy_files]
+            stager.reserve_next(self.rank, sizes, gpu, ready=self._committed, unstaged=True)
         self._write_objects(objects)
         crash_point("write-data", self.rank)
         for key, (mf, _) in staged.items():
@@ -107,6 +113,10 @@ class RankWrite:
         if self.slot is not None:
             catalog.recycle(self.store.layout, Path(self.slot))  # files this rank's plan did not need
         return self.results
+
+    def _committed(self) -> bool:
+        """Whether this checkpoint is committed (then every rank's files of it exist)."""
+        return catalog.read_commit(self.store.layout, self.checkpoint_id) is not None
 
     def _checksum_staged(
         self, name: str, entries: list[tuple[WriteItem, int, torch.Tensor]]

@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,7 @@ class Stager:
         self._lock = threading.Lock()
         self._d2h: DeviceToHost | None = None
         self._reservation: Reservation | None = None
+        self._reserve_lock = threading.Lock()  # not _lock: stage() holds that while it swaps reservations
 
     def stage(self, state_dict: dict[str, Any]) -> tuple[dict[str, Any], Ticket]:
         """Copy ``state_dict``'s tensors into a new staging slot; return the staged state dict and its ticket."""
@@ -104,7 +106,9 @@ class Stager:
                     for t, p in zip(originals, placements, strict=True)
                 ]
                 self._copy(originals, views, placements, files)
-                self.reserve_next(rank, file_sizes, any(t.device.type == "cuda" for t in originals))
+                gpu = any(t.device.type == "cuda" for t in originals)
+                # every rank has staged once this save's slot is written or given back (after planning)
+                self.reserve_next(rank, file_sizes, gpu, ready=lambda: not slot.exists())
                 by_id = {id(t): v for t, v in zip(originals, views, strict=True)}
 
                 def replace(t: torch.Tensor) -> torch.Tensor:
@@ -147,23 +151,40 @@ class Stager:
         """Return once the files being allocated ahead of the next save, if any, are in the pool. With
         ``stop``, once those it finished are: the save about to stage allocates the rest itself (at the
         trainer's priority, not the reservation's)."""
-        reservation, self._reservation = self._reservation, None
+        with self._reserve_lock:
+            reservation, self._reservation = self._reservation, None
         if reservation is not None and stop:
             reservation.stop()
         elif reservation is not None:
             reservation.wait()
 
-    def reserve_next(self, rank: int, file_sizes: list[int], gpu: bool, unstaged: bool = False) -> None:
+    def reserve_next(
+        self, rank: int, file_sizes: list[int], gpu: bool, ready: Callable[[], bool], unstaged: bool = False
+    ) -> None:
         """Have the next save's files allocated in the background if it could not reuse an evicted
         checkpoint's: when the checkpoints committed plus the saves in flight (this one included: a staged
         save by its slot, an ``unstaged`` one, ``dcp.save``, counted here) do not exceed keep_in_memory,
-        this save's commit evicts nothing. The job then never holds more files than in steady state."""
+        this save's commit evicts nothing. The job then never holds more files than in steady state.
+
+        Allocation begins once ``ready()`` (this save is past the point where other ranks allocate its
+        files: a reservation must not take the memory a slower rank still needs for this save). One
+        reservation per job in this process: a new one stops the one before."""
         try:
             held = len(committed(self.store.layout)) + len(self._active_slots()) + int(unstaged)
-            if held <= self.store.keep_in_memory:
-                device = torch.cuda.current_device() if gpu else None
+            if held > self.store.keep_in_memory:
+                return
+            device = torch.cuda.current_device() if gpu else None
+            with self._reserve_lock:
+                if self._reservation is not None:
+                    self._reservation.stop()
                 self._reservation = Reservation(
-                    self.store.layout, rank, file_sizes, cuda_device=device, owner=self.store
+                    self.store.layout,
+                    rank,
+                    file_sizes,
+                    cuda_device=device,
+                    owner=self.store,
+                    ready=ready,
+                    ready_timeout_s=self.store.stage_timeout_s,
                 )
         except Exception as e:  # noqa: BLE001 - only an optimisation: this save is staged already
             log.info("could not start allocating the next save's files ahead of time: %s", e)

@@ -80,6 +80,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         self._current: tuple[int, str | None] | None = None  # this save's (ticket seq, staging slot)
         self._armed = False  # reset() ran for the save in progress
         self._save_started = 0.0
+        self._reserve_ahead = True  # False in DCP's checkpoint process, where no save would claim them
         # A staged save that never runs (its async_save failed after staging) must not block later ones.
         self._abandon = weakref.finalize(self, _abandon_later, str(store.layout.job_dir), self._pending)
 
@@ -106,6 +107,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._reserve_ahead = False
         self._abandon = weakref.finalize(self, _abandon_later, str(self.store.layout.job_dir), self._pending)
 
     # -- AsyncStager -----------------------------------------------------------------------------------
@@ -209,7 +211,9 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         catalog.join(self.store.layout, self.checkpoint_id)  # begun on the coordinator's node only
         catalog.drop_copies(self.store.layout, self.checkpoint_id)  # of an older save under this id
         slot = self._current[1] if self._current else None
-        results = RankWrite(self.store, self.rank, self.checkpoint_id, slot, plan, planner).run()
+        results = RankWrite(
+            self.store, self.rank, self.checkpoint_id, slot, plan, planner, reserve_ahead=self._reserve_ahead
+        ).run()
         self._current = None
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)

@@ -1,21 +1,22 @@
 """Allocating the next save's shard files ahead of time, in the background.
 
-Until a job holds ``keep_in_memory`` checkpoints, every save needs new tmpfs files, and allocating, zeroing
-and faulting in their pages is most of what such a save costs: on the development VM, where the host
-reclaims memory the guest freed, 0.6 to 3.4 s per GiB, while ``dcp.async_save`` holds training. Once a save
-has been staged (``dcp.async_save``) or written (``dcp.save``), and when its commit will not evict a
-checkpoint whose files the next save could reuse, the stager reserves files of the same sizes here: a background thread at low CPU priority allocates them in an
-area of their own inside the rank's pool directory, maps them (page-locked for CUDA where the save staged
-GPU tensors) and moves them into the rank's pool, where the next save claims them as it would claim the
-files of an evicted checkpoint.
+Until a job holds ``keep_in_memory`` checkpoints, every save needs new tmpfs files, and allocating,
+zeroing and faulting in their pages is most of what such a save costs: on the development VM, where the
+host reclaims memory the guest freed, 0.6 to 3.4 s per GiB, while training waits. Once a save has been
+staged (``dcp.async_save``) or written (``dcp.save``), and when its commit will not evict a checkpoint
+whose files the next save could reuse, the stager reserves files of the same sizes here: a background
+thread at low CPU priority waits until the save is past the point where other ranks allocate its files,
+allocates them in an area of its own inside the rank's pool directory, maps and faults them in
+(page-locked for CUDA where the save staged GPU tensors) and moves them into the rank's pool, where the
+next save claims them as it would claim the files of an evicted checkpoint.
 
 The job never holds more files this way than it does in steady state (``keep_in_memory`` checkpoints plus
 the saves in flight), a reservation that does not fit in free memory is skipped, and one that fails is
-logged and dropped: the next save then allocates its files itself, as without a reservation. The next save
-stops a reservation still running (within one ``FAULT_STEP`` of faulting in pages; the file being faulted
-in is kept, and the save faults in the rest as it copies) and allocates what it had not started; closing
-the store that staged the save, or the interpreter, stops it too, so a closed store allocates nothing
-more.
+logged and dropped: the next save then allocates its files itself, as without a reservation. The next
+save stops a reservation still running (within one ``FAULT_STEP`` of faulting in pages; the file being
+faulted in is kept, and the save faults in the rest as it copies) and allocates what it had not started;
+closing the store whose save started it, or the interpreter, stops it too, so a closed store allocates
+nothing more.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import atexit
 import logging
 import os
 import threading
+import time
 import uuid
+from collections.abc import Callable
 
 import torch
 
@@ -37,6 +40,7 @@ from dcp_memstore.store.threads import yield_cpu_to_training
 
 log = logging.getLogger(__name__)
 FAULT_STEP = 64 << 20  # a stopped reservation returns within one step (about 0.03 to 0.2 s here)
+READY_POLL_S = 0.01
 _lock = threading.Lock()
 _running: set[Reservation] = set()
 
@@ -71,12 +75,15 @@ class Reservation:
         sizes: list[int],
         cuda_device: int | None,
         owner: object | None = None,
+        ready: Callable[[], bool] | None = None,
+        ready_timeout_s: float = 600.0,
     ) -> None:
         """Start allocating files of ``sizes`` bytes for ``rank``; with ``cuda_device``, also page-lock
         them for CUDA (from that device, the caller's: a new thread would start a context on device 0).
-        ``owner``: the store whose ``close()`` stops it."""
+        ``owner``: the store whose ``close()`` stops it. ``ready``: allocation waits until it returns True
+        (given up after ``ready_timeout_s``)."""
         self.layout, self.rank, self.sizes, self.cuda_device = layout, rank, sizes, cuda_device
-        self.owner = owner
+        self.owner, self.ready, self.ready_timeout_s = owner, ready, ready_timeout_s
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dcp_memstore_reserve", daemon=True)
         with _lock:
@@ -111,10 +118,20 @@ class Reservation:
             with _lock:
                 _running.discard(self)
 
+    def _wait_ready(self) -> bool:
+        """Whether ``ready`` came true before a stop or the timeout."""
+        deadline = time.monotonic() + self.ready_timeout_s
+        while self.ready is not None and not self.ready():
+            if self._stopping.wait(READY_POLL_S) or time.monotonic() > deadline:
+                return False
+        return True
+
     def _reserve(self) -> None:
         yield_cpu_to_training()
         pool = FilePool(self.layout, self.rank)
         try:
+            if not self._wait_ready():
+                return
             missing = pool.unmatched(self.sizes)  # page-rounded, as allocated
             if not missing:
                 return

@@ -1,6 +1,7 @@
 """Files allocated ahead of the next save (async or not), in the background, while a job has fewer
-checkpoints than it keeps: the next save claims them, the job never holds more files than in steady state, a reservation
-that does not fit is skipped, and one killed half-way leaves nothing that a restart does not clear."""
+checkpoints than it keeps: the next save claims them, the job never holds more files than in steady
+state, a reservation that does not fit is skipped, one waits until its save is ready and stops promptly,
+and one killed half-way leaves nothing that a restart does not clear."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -212,6 +214,38 @@ def test_stopping_a_reservation_returns_within_one_step_of_faulting_in(shm_dir):
     store.close()
     assert time.monotonic() - t0 < 0.8
     assert [p.stat().st_size for p in pool.glob(f"*{SHARD_SUFFIX}")] == [size]
+
+
+def test_a_reservation_allocates_nothing_until_its_save_is_ready(shm_dir):
+    """Other ranks may still be allocating the save's own files: nothing is allocated before ``ready``."""
+    store = MemStore(root=shm_dir, job_id="job", io_threads=1)
+    ready = threading.Event()
+    try:
+        reservation = Reservation(
+            store.layout, 0, [8 << 20], cuda_device=None, owner=store, ready=ready.is_set
+        )
+        time.sleep(0.3)
+        assert _shard_files(store) == []
+        ready.set()
+        reservation.wait()
+        assert [p.stat().st_size for p in _shard_files(store)] == [8 << 20]
+    finally:
+        store.close()
+
+
+def test_a_new_reservation_of_a_job_stops_the_one_before(shm_dir):
+    """One reservation per job and process: two saves' reservations never allocate side by side."""
+    store = MemStore(root=shm_dir, job_id="job", io_threads=1, keep_in_memory=4)
+    stager = Stager.of(store)
+    try:
+        stager.reserve_next(0, [64 << 20] * 64, False, ready=lambda: True, unstaged=True)  # 4 GiB
+        first = stager._reservation
+        _wait_for_a_reserved_file(FilePool(store.layout, 0).dir)
+        stager.reserve_next(0, [1 << 20], False, ready=lambda: True, unstaged=True)
+        assert first is not None and not first._thread.is_alive()
+        assert stager._reservation is not first
+    finally:
+        store.close()
 
 
 def _wait_for_a_reserved_file(pool: Path, child: subprocess.Popen | None = None) -> None:

@@ -14,6 +14,7 @@ from dcp_memstore import MemStore, PersistError
 from dcp_memstore.persist.progress import Progress
 from dcp_memstore.persist.target import COMMITTED, STOCK_METADATA
 from dcp_memstore.store import catalog
+from dcp_memstore.store.layout import MANIFEST
 from tests.dcp.dcp_state import assert_tree_equal, blank_like, load, save, snapshot
 
 
@@ -104,6 +105,14 @@ def test_status_of_a_checkpoint_evicted_while_status_reads_it_is_persisted(shm_d
         assert evictions == ["a"]
         assert (st.in_memory, st.persist, st.persisted) == (False, "persisted", True)
         assert store.wait_persisted("a", timeout=5).persisted
+
+
+def test_status_of_a_committed_checkpoint_without_manifest_names_the_damage(shm_dir, bucket_dir):
+    with _pstore(shm_dir, bucket_dir, persist_on_close=False) as store:
+        save(store, _state(1), "a")
+        (store.layout.checkpoint_dir("a") / MANIFEST).unlink()
+        with pytest.raises(FileNotFoundError, match="'a' is committed .* but has no manifest"):
+            store.status("a")
 
 
 def test_close_persists_the_newest_checkpoint(shm_dir, bucket_dir):
