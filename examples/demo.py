@@ -37,23 +37,23 @@ from typing import IO, Any, NoReturn, TypeVar
 
 import psutil
 import torch
+from demo_train import EVENT_PREFIX, STACKS_ENV
 
 from dcp_memstore import MemStore
 
 HERE = Path(__file__).resolve().parent
 TRAIN_SCRIPT = HERE / "demo_train.py"
-EVENT_PREFIX = "@@demo "
 NPROC = 2
 FAIL_RANK = 1
 JOB_ID = "demo"
 REFERENCE_JOB_ID = "demo-reference"
 RUN_TIMEOUT_S = 120.0
-STACK_DUMP_WAIT_S = 0.5  # per process
-# torchrun (``python -m torch.distributed.run``) that prints every thread's Python stack on SIGUSR1, as the
+STACK_DUMP_WAIT_S = 1.0
+# torchrun (``python -m torch.distributed.run``) that writes every thread's Python stack on SIGUSR1, as the
 # training processes do (``demo_train.stacks_on_sigusr1``): a job that hangs shows where in its log.
 TORCHRUN_WITH_STACKS = (
-    "import faulthandler, signal, sys; faulthandler.register(signal.SIGUSR1, all_threads=True); "
-    "from torch.distributed.run import main; sys.exit(main())"
+    f"import sys; sys.path.insert(0, {str(HERE)!r}); from demo_train import stacks_on_sigusr1; "
+    "stacks_on_sigusr1(); from torch.distributed.run import main; sys.exit(main())"
 )
 
 
@@ -158,10 +158,13 @@ def torchrun_job(
         # the rendezvous store binds a port of its own choosing: no port picked here that another
         # process could take before torchrun binds it
         *("--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-id", uuid.uuid4().hex),
+        *("--local-addr", "127.0.0.1"),  # the workers' MASTER_ADDR, not whatever the host name resolves to
         *("--max-restarts", "0", "--monitor-interval", "0.1", str(script)),
         *map(str, script_args),
     ]
+    stacks = f"{res.log}.stacks"  # each process's stack file on a hang: <stacks>-<pid>.txt
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_CPP_LOG_LEVEL="ERROR")
+    env[STACKS_ENV] = stacks
     env.pop("DCP_MEMSTORE_CRASH_AT", None)  # the jobs' crash is their own SIGKILL, not a test crash point
     t0 = time.monotonic()
     with open(res.log, "w") as log:
@@ -169,7 +172,7 @@ def torchrun_job(
 
         def on_timeout() -> None:
             res.timed_out = True
-            dump_stacks(proc.pid, log)
+            dump_stacks(proc.pid, log, stacks)
             kill_tree(proc.pid, res.worker_pids)
 
         watchdog = threading.Timer(RUN_TIMEOUT_S if timeout_s is None else timeout_s, on_timeout)
@@ -192,6 +195,8 @@ def torchrun_job(
             if proc.poll() is None:  # interrupted (Ctrl-C) or an error here: leave nothing running
                 kill_tree(proc.pid, res.worker_pids)
                 proc.wait()
+            for path in Path(stacks).parent.glob(f"{Path(stacks).name}-*.txt"):
+                path.unlink(missing_ok=True)
     res.seconds = time.monotonic() - t0
     return res
 
@@ -244,18 +249,24 @@ def _handle_event(
         )
 
 
-def dump_stacks(pid: int, log: IO[str]) -> None:
-    """Have torchrun ``pid`` and then each of its workers print their Python stacks into the job's log
-    (SIGUSR1, see ``TORCHRUN_WITH_STACKS``), one process at a time so that the stacks do not interleave."""
+def dump_stacks(pid: int, log: IO[str], stacks: str) -> None:
+    """Have torchrun ``pid`` and its workers write their Python stacks (SIGUSR1, each process into
+    ``<stacks>-<pid>.txt``, see ``demo_train.stacks_on_sigusr1``), all at once, and append them to the
+    job's log, one process after the other."""
     log.write("\n--- the job did not end in time: the Python stacks of torchrun and its workers ---\n")
+    procs: list[tuple[int, str]] = []
     with contextlib.suppress(psutil.NoSuchProcess):
         root = psutil.Process(pid)
         for p in [root, *root.children(recursive=True)]:
             with contextlib.suppress(psutil.NoSuchProcess):
-                log.write(f"--- pid {p.pid}: {' '.join(p.cmdline()[-4:])}\n")
-                log.flush()
+                procs.append((p.pid, " ".join(p.cmdline()[-4:])))
                 p.send_signal(signal.SIGUSR1)
-                time.sleep(STACK_DUMP_WAIT_S)
+    time.sleep(STACK_DUMP_WAIT_S)
+    for p_pid, cmdline in procs:
+        path = Path(f"{stacks}-{p_pid}.txt")
+        text = path.read_text() if path.exists() else ""
+        log.write(f"--- pid {p_pid}: {cmdline}\n{text or '(no stack: it had not set up its handler)'}\n")
+    log.flush()
 
 
 def kill_tree(pid: int, extra: list[int]) -> None:

@@ -39,6 +39,8 @@ from torch.nn.parallel import DistributedDataParallel
 from dcp_memstore import MemoryStorageReader, MemoryStorageWriter, MemStore
 
 EVENT_PREFIX = "@@demo "
+STACKS_ENV = "DCP_MEMSTORE_DEMO_STACKS"
+_STACK_FILES: list[Any] = []
 IN_FEATURES = 16
 HIDDEN = 64
 GLOBAL_BATCH = 256
@@ -61,9 +63,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def stacks_on_sigusr1() -> None:
-    """Print every thread's Python stack to stderr on SIGUSR1: the driver sends it to a job that does not
-    end in time, so the job's log shows where each process was."""
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    """Write every thread's Python stack on SIGUSR1: the driver sends it to a job that does not end in
+    time, and copies the stacks into the job's log. Into ``$DCP_MEMSTORE_DEMO_STACKS-<pid>.txt`` when the
+    driver set it (so that processes signalled together do not interleave), else to stderr."""
+    prefix = os.environ.get(STACKS_ENV)
+    out = open(f"{prefix}-{os.getpid()}.txt", "w") if prefix else sys.stderr  # noqa: SIM115 - kept open
+    _STACK_FILES.append(out)  # faulthandler writes to it whenever the signal comes
+    faulthandler.register(signal.SIGUSR1, file=out, all_threads=True)
 
 
 def emit(**event: Any) -> None:

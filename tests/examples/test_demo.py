@@ -31,7 +31,7 @@ def test_demo_kills_a_rank_and_resumes_bit_for_bit() -> None:
 
 def test_a_job_that_does_not_end_in_time_leaves_every_process_stack_in_its_log(tmp_path: Path) -> None:
     """torchrun_job's watchdog: the log names torchrun and both workers with their stacks (the function a
-    worker is stuck in), and no process of the job is left."""
+    worker is stuck in), no process of the job is left, and no stack file either."""
     sys.path.insert(0, str(EXAMPLES))
     try:
         from demo import RunResult, alive, torchrun_job
@@ -53,7 +53,7 @@ def test_a_job_that_does_not_end_in_time_leaves_every_process_stack_in_its_log(t
         )
     )
     res = RunResult("stuck", log=tmp_path / "stuck.log")
-    torchrun_job(worker, [], 2, res, lambda ev: res.worker_pids.append(ev["pid"]), timeout_s=8)
+    torchrun_job(worker, [], 2, res, lambda ev: res.worker_pids.append(ev["pid"]), timeout_s=20)
     log = res.log.read_text()
     assert res.timed_out and res.returncode != 0, log
     assert len(res.worker_pids) == 2, log
@@ -62,3 +62,4 @@ def test_a_job_that_does_not_end_in_time_leaves_every_process_stack_in_its_log(t
     assert log.count("in waits_for_ever") == 2, log  # each worker's stack, not interleaved
     assert "torch/distributed/run.py" in log, log  # torchrun's own stack
     assert not alive(res.worker_pids)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stuck.log", "stuck_worker.py"]
