@@ -249,18 +249,24 @@ def _handle_event(
         )
 
 
+def process_tree(pid: int) -> list[psutil.Process]:
+    """Process ``pid`` and its descendants (none if it is gone)."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    return []
+
+
 def dump_stacks(pid: int, log: IO[str], stacks: str) -> None:
     """Have torchrun ``pid`` and its workers write their Python stacks (SIGUSR1, each process into
     ``<stacks>-<pid>.txt``, see ``demo_train.stacks_on_sigusr1``), all at once, and append them to the
     job's log, one process after the other."""
     log.write("\n--- the job did not end in time: the Python stacks of torchrun and its workers ---\n")
     procs: list[tuple[int, str]] = []
-    with contextlib.suppress(psutil.NoSuchProcess):
-        root = psutil.Process(pid)
-        for p in [root, *root.children(recursive=True)]:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                procs.append((p.pid, " ".join(p.cmdline()[-4:])))
-                p.send_signal(signal.SIGUSR1)
+    for p in process_tree(pid):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            procs.append((p.pid, " ".join(p.cmdline()[-4:])))
+            p.send_signal(signal.SIGUSR1)
     time.sleep(STACK_DUMP_WAIT_S)
     for p_pid, cmdline in procs:
         path = Path(f"{stacks}-{p_pid}.txt")
@@ -272,11 +278,7 @@ def dump_stacks(pid: int, log: IO[str], stacks: str) -> None:
 def kill_tree(pid: int, extra: list[int]) -> None:
     """SIGKILL process ``pid``, its descendants and the processes ``extra`` (torchrun puts each worker in a
     session of its own, so killing torchrun's process group would miss them)."""
-    procs = []
-    with contextlib.suppress(psutil.NoSuchProcess):
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    for p in procs:
+    for p in process_tree(pid):
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
     for other in extra:

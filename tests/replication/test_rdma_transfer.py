@@ -27,7 +27,13 @@ from dcp_memstore.replication.rdma import RdmaEndpoint, RdmaTransport
 from dcp_memstore.replication.rdma_verbs import SEND_WINDOW
 from dcp_memstore.store.layout import COMMITTED, StoreLayout, shard_name
 from tests.replication.fake_pyverbs import E, Fabric, install
-from tests.replication.transfer_helpers import JOB, check_concurrent_puts, files_under, make_file
+from tests.replication.transfer_helpers import (
+    JOB,
+    check_concurrent_puts,
+    check_put_then_get,
+    files_under,
+    make_file,
+)
 
 KiB, MiB = 1 << 10, 1 << 20
 PIECE = 256 * KiB  # the fake port's max message size: files of a few MiB take many pieces
@@ -118,17 +124,7 @@ def tamper_replies(monkeypatch: pytest.MonkeyPatch, op: str, change) -> None:
 
 @pytest.mark.parametrize("size", [0, 1, 17 * PIECE + 3], ids=["empty", "1-byte", "18-pieces"])
 def test_put_then_get_round_trip_bit_exact(fabric, server, transport, local, peer_root, released, size):
-    data = os.urandom(size)
-    src = make_file(local, "step-1", shard_name(0, 0), data)
-    transport.put_file(server.address, "node0", "step-1", shard_name(0, 0), src)
-    stored = StoreLayout(peer_root, JOB).replica_dir("node0", "step-1") / shard_name(0, 0)
-    assert stored.read_bytes() == data
-    assert files_under(peer_root) == [f"{JOB}/replicas/node0/step-1/{shard_name(0, 0)}"]  # no temporaries
-
-    back = local.job_dir / "restored.shard"
-    transport.get_file(server.address, "step-1", shard_name(0, 0), back, source_node="node0")
-    assert back.read_bytes() == data
-
+    check_put_then_get(transport, server.address, local, peer_root, os.urandom(size))
     pieces = -(-size // PIECE)
     assert ops(fabric, "RDMA_WRITE") == [PIECE] * (pieces - 1) + [size - PIECE * (pieces - 1)] * (pieces > 0)
     assert ops(fabric, "RDMA_READ") == ops(fabric, "RDMA_WRITE")  # the bytes moved by RDMA, not TCP

@@ -18,7 +18,13 @@ from dcp_memstore.errors import InsufficientSpaceError
 from dcp_memstore.replication import PeerServer, ReplicationError, TcpTransport, wire
 from dcp_memstore.replication.auth import new_secret, sign_request
 from dcp_memstore.store.layout import COMMITTED, StoreLayout, shard_name
-from tests.replication.transfer_helpers import JOB, check_concurrent_puts, files_under, make_file
+from tests.replication.transfer_helpers import (
+    JOB,
+    check_concurrent_puts,
+    check_put_then_get,
+    files_under,
+    make_file,
+)
 
 MiB = 1 << 20
 
@@ -75,16 +81,7 @@ def send_raw(server: PeerServer, header: dict) -> socket.socket:
 
 def test_put_then_get_multi_mib_bit_exact(server, transport, local, peer_root):
     data = os.urandom(12 * MiB + 4321)  # several payload chunks and a ragged end
-    src = make_file(local, "step-1", shard_name(0, 0), data)
-    transport.put_file(server.address, "node0", "step-1", shard_name(0, 0), src)
-
-    stored = StoreLayout(peer_root, JOB).replica_dir("node0", "step-1") / shard_name(0, 0)
-    assert stored.read_bytes() == data
-    assert files_under(peer_root) == [f"{JOB}/replicas/node0/step-1/{shard_name(0, 0)}"]  # no temporaries
-
-    back = local.job_dir / "restored.shard"
-    transport.get_file(server.address, "step-1", shard_name(0, 0), back, source_node="node0")
-    assert back.read_bytes() == data
+    check_put_then_get(transport, server.address, local, peer_root, data)
 
     out = bytearray(3 * MiB)  # a range, straight into a caller's buffer
     transport.read_range(server.address, "step-1", shard_name(0, 0), 5 * MiB + 7, memoryview(out), "node0")

@@ -1,5 +1,6 @@
-"""What the transport tests (TCP and RDMA) share: the job name, making and listing files, and the check
-that many files pushed at once from several threads arrive intact with no temporaries left."""
+"""What the transport tests (TCP and RDMA) share: the job name, making and listing files, the round trip
+of one file (put as a replica, got back), and the check that many files pushed at once from several
+threads arrive intact with no temporaries left."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import threading
 from pathlib import Path
 
 from dcp_memstore.replication.transport import Transport
-from dcp_memstore.store.layout import StoreLayout
+from dcp_memstore.store.layout import StoreLayout, shard_name
 
 JOB = "job"
 NODES = ("node0", "node1")
@@ -24,6 +25,22 @@ def make_file(layout: StoreLayout, checkpoint: str, name: str, data: bytes) -> P
 def files_under(root: Path) -> list[str]:
     """Every file below ``root`` (hidden temporaries included), relative to it."""
     return sorted(os.path.relpath(os.path.join(dp, n), root) for dp, _, names in os.walk(root) for n in names)
+
+
+def check_put_then_get(
+    transport: Transport, address: tuple, local: StoreLayout, peer_root: Path, data: bytes
+) -> None:
+    """Put ``data`` as node0's replica of ``step-1``'s first shard, assert the peer holds exactly those
+    bytes (no temporaries), and get it back bit-exact."""
+    src = make_file(local, "step-1", shard_name(0, 0), data)
+    transport.put_file(address, "node0", "step-1", shard_name(0, 0), src)
+    stored = StoreLayout(peer_root, JOB).replica_dir("node0", "step-1") / shard_name(0, 0)
+    assert stored.read_bytes() == data
+    assert files_under(peer_root) == [f"{JOB}/replicas/node0/step-1/{shard_name(0, 0)}"]  # no temporaries
+
+    back = local.job_dir / "restored.shard"
+    transport.get_file(address, "step-1", shard_name(0, 0), back, source_node="node0")
+    assert back.read_bytes() == data
 
 
 def check_concurrent_puts(
