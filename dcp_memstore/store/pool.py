@@ -81,8 +81,9 @@ class FilePool:
         return MAPPINGS.map_fd(self.claim(dest, size)[0])
 
     def release(self, path: Path) -> None:
-        """Return a shard file to the pool."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+        """Return a shard file to the pool. FileNotFoundError if the store was deleted (its directory is not
+        made again: a store removed under a running save or reservation stays removed)."""
+        self.dir.mkdir(exist_ok=True)
         os.rename(path, self.dir / f"{uuid.uuid4().hex}{SHARD_SUFFIX}")
 
     def trim(self, keep: int) -> None:

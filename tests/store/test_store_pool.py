@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import time
 
+import pytest
 import torch
 
 from dcp_memstore.store.layout import SHARD_SUFFIX
@@ -116,3 +118,18 @@ def test_unmatched_names_the_sizes_no_pooled_file_serves(layout, shm_dir):
     assert pool.unmatched([900 << 10, 60 << 10, 60 << 10, 4 << 20]) == [4 << 20, round_up(60 << 10)]
     assert pool.unmatched([1 << 20, 64 << 10]) == []
     assert FilePool(layout, 1).unmatched([4096]) == [4096]  # another rank's pool is empty
+
+
+def test_release_into_a_deleted_store_does_not_make_it_again(layout, shm_dir):
+    """A save or reservation that finishes after its store was removed (``rm -rf`` of the job's directory)
+    must not put the store's directories back with files in them, holding memory nobody owns."""
+    outside = shm_dir / "elsewhere"
+    outside.mkdir()
+    path = outside / "a.shard"
+    os.close(allocate_file(path, FILE_ALIGN))
+    pool = FilePool(layout, 0)
+    shutil.rmtree(layout.job_dir)
+    with pytest.raises(FileNotFoundError):
+        pool.release(path)
+    assert not layout.job_dir.exists()
+    assert path.exists()  # left where it was, for its caller to delete
