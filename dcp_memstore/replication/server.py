@@ -35,7 +35,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -54,7 +54,7 @@ from dcp_memstore.store.ids import validate_file_name, validate_name
 from dcp_memstore.store.layout import COMMITTED, StoreLayout
 
 if TYPE_CHECKING:
-    from dcp_memstore.replication.rdma import Exposure, RdmaEndpoint
+    from dcp_memstore.replication.rdma import RdmaEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -378,11 +378,24 @@ class PeerServer:
         return self.rdma
 
     @staticmethod
-    def _expose(rdma: RdmaEndpoint, address: int, size: int, writable: bool, peer: dict) -> Exposure:
+    @contextlib.contextmanager
+    def _exposed(
+        rdma: RdmaEndpoint, address: int, size: int, writable: bool, peer: dict | None
+    ) -> Iterator[dict]:
+        """The reply fields through which ``peer``'s queue pair reaches the ``size`` bytes at ``address``
+        (writable for an ``rdma_put``, readable for an ``rdma_get``; nothing to reach in an empty file).
+        The region is withdrawn on exit: no RDMA operation reaches the file from there on."""
+        if not size:
+            yield {"addr": 0, "rkey": 0, "qp": None}
+            return
         try:
-            return rdma.expose(address, size, writable=writable, peer=peer)
+            exposure = rdma.expose(address, size, writable=writable, peer=peer)
         except VerbsError as e:
             raise _Refusal("rdma_failed", f"RDMA setup failed on this node: {e}") from None
+        try:
+            yield exposure.fields
+        finally:
+            exposure.close()
 
     def _await_trailer(self, conn: socket.socket, size: int) -> int:
         """The trailer that ends an RDMA transfer of ``size`` bytes; the connection is idle until then, so
@@ -403,18 +416,10 @@ class PeerServer:
         incoming, what = self._incoming_replica(header)
         start = time.perf_counter()
         with incoming:
-            exposure = None
-            try:
-                if size:
-                    exposure = self._expose(rdma, buffer_address(incoming.view), size, True, peer_qp)
-                    fields = exposure.fields
-                else:
-                    fields = {"addr": 0, "rkey": 0, "qp": None}
+            address = buffer_address(incoming.view) if size else 0
+            with self._exposed(rdma, address, size, True, peer_qp) as fields:
                 self._reply(conn, nonce, fields)  # go ahead: write the bytes, then send the trailer
                 expected = self._await_trailer(conn, size)
-            finally:
-                if exposure is not None:
-                    exposure.close()  # no RDMA write can reach the file from here on
             self._check_arrived(what, checksum_bytes(incoming.view), expected)
             incoming.commit()
         self._reply(conn, nonce, {})
@@ -425,18 +430,10 @@ class PeerServer:
         with self._served_file(header, 0, None) as source_file:
             size = source_file.length
             checksum = checksum_bytes(source_file.view)
-            exposure = None
-            try:
-                if size:
-                    exposure = self._expose(rdma, source_file.address, size, False, header["qp"])
-                    fields = exposure.fields
-                else:
-                    fields = {"addr": 0, "rkey": 0, "qp": None}
+            address = source_file.address if size else 0
+            with self._exposed(rdma, address, size, False, header["qp"]) as fields:
                 self._reply(conn, nonce, {"size": size, "checksum": checksum, **fields})
                 reported = self._await_trailer(conn, size)  # the reader is done with the file
-            finally:
-                if exposure is not None:
-                    exposure.close()
         if reported != checksum:
             log.info(
                 "peer server of job %s: a peer read %s of checkpoint %s by RDMA and got other bytes "
