@@ -34,7 +34,7 @@ from dcp_memstore.store.checksum import (
     memory_view,
     read_with_checksum,
 )
-from dcp_memstore.store.ids import validate_name
+from dcp_memstore.store.ids import is_valid_name, validate_name
 from dcp_memstore.store.layout import MANIFEST
 from dcp_memstore.store.manifest import Manifest, ShardLocation
 from dcp_memstore.store.mapping import MAPPINGS, MappedFile
@@ -70,11 +70,7 @@ class MemoryStorageReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        try:
-            validate_name(checkpoint_id)
-            return True
-        except ValueError:
-            return False
+        return is_valid_name(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         src = self._source

@@ -35,7 +35,7 @@ from dcp_memstore.memstore import MemStore
 from dcp_memstore.store import catalog
 from dcp_memstore.store.catalog import CommitRecord
 from dcp_memstore.store.faults import crash_point
-from dcp_memstore.store.ids import validate_name
+from dcp_memstore.store.ids import is_valid_name, validate_name
 from dcp_memstore.store.layout import MANIFEST, StoreLayout, parse_slot
 from dcp_memstore.store.manifest import Manifest, ManifestItem
 from dcp_memstore.store.mapping import MAPPINGS
@@ -154,11 +154,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        try:
-            validate_name(checkpoint_id)
-            return True
-        except ValueError:
-            return False
+        return is_valid_name(checkpoint_id)
 
     @_releases_slot_on_error
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:

@@ -34,6 +34,15 @@ def validate_name(value: object, what: str = "checkpoint id") -> str:
     raise ValueError(f"invalid {what} {value!r}: {reason}. Use {_RULE}, e.g. 'step-100'.")
 
 
+def is_valid_name(value: object) -> bool:
+    """Whether ``value`` is a valid checkpoint id (``validate_name`` without the error)."""
+    try:
+        validate_name(value)
+    except ValueError:
+        return False
+    return True
+
+
 _FILE_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 
 

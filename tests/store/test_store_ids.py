@@ -6,7 +6,8 @@ from pathlib import PurePosixPath
 
 import pytest
 
-from dcp_memstore.store.ids import MAX_ID_LENGTH, validate_name
+from dcp_memstore import MemoryStorageReader, MemoryStorageWriter
+from dcp_memstore.store.ids import MAX_ID_LENGTH, is_valid_name, validate_name
 
 
 @pytest.mark.parametrize("name", ["step-100", "a", "run_42.final", "0", "A" * MAX_ID_LENGTH, "x.y"])
@@ -60,3 +61,11 @@ def test_non_strings_are_rejected_with_their_type(value):
 def test_what_names_the_kind_of_name_in_the_error():
     with pytest.raises(ValueError, match="invalid job id"):
         validate_name("a/b", "job id")
+
+
+@pytest.mark.parametrize(("name", "valid"), [("step-100", True), ("../step", False), ("", False), (7, False)])
+def test_dcp_asks_the_writer_and_reader_which_checkpoint_ids_they_take(name, valid):
+    """DCP calls ``validate_checkpoint_id`` to pick a storage plugin for a checkpoint id."""
+    assert is_valid_name(name) is valid
+    assert MemoryStorageWriter.validate_checkpoint_id(name) is valid
+    assert MemoryStorageReader.validate_checkpoint_id(name) is valid
