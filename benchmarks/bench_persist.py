@@ -38,10 +38,6 @@ once, the order alternating between repetitions). MB/s counts the local shard fi
 ``CPU s`` is this process's CPU time (user + system, all threads) and, for S3, the server's; in part 3
 also that of the upload threads (the persister's, its pool's and fsspec's event loop).
 
-Guard: ``store.status`` / ``wait_persisted`` failed before commit 3383d31 on a checkpoint that the persister
-published and evicted while they read its files (FileNotFoundError, or ValueError "not requested"); the
-benchmark retries such failures and prints how often they happened (should be never).
-
 Run from the repository root: ``python benchmarks/bench_persist.py`` (about 7 minutes on 2 cores);
 ``--quick`` for a small smoke run (about 1 to 2 minutes); ``--json PATH`` also writes every timing as JSON.
 Everything is removed at the end (the store roots in /dev/shm, the directories on disk, the server and its
@@ -167,36 +163,6 @@ def machine() -> dict[str, Any]:
     return {**core_machine(), "torch_threads": torch.get_num_threads()}
 
 
-RACES: list[str] = []  # status/wait_persisted calls that failed while a checkpoint was being evicted
-
-
-def wait_persisted(store: MemStore, cid: str) -> None:
-    """``store.wait_persisted(cid)``, retried when it fails because the checkpoint was evicted from memory
-    between two of the file reads ``status`` makes (persisted, then evicted: it raises ValueError "not
-    requested" or FileNotFoundError); such failures are counted in RACES and reported."""
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        try:
-            store.wait_persisted(cid, timeout=max(1.0, deadline - time.monotonic()))
-            return
-        except (ValueError, FileNotFoundError) as e:
-            if time.monotonic() > deadline:
-                raise
-            RACES.append(f"{cid}: {type(e).__name__}: {e}")
-            time.sleep(0.05)
-
-
-def is_persisted(store: MemStore, cid: str) -> bool:
-    """``store.status(cid).persisted``, retried on the same race."""
-    for _ in range(100):
-        try:
-            return store.status(cid).persisted
-        except FileNotFoundError as e:
-            RACES.append(f"{cid}: {type(e).__name__}: {e}")
-            time.sleep(0.01)
-    return store.status(cid).persisted
-
-
 # -- parts 1 and 2: upload throughput ------------------------------------------------------------------------
 
 
@@ -263,7 +229,7 @@ def bench_upload(
     small = {"w": torch.ones(4 * ROW), "meta": {"warm": True}}
     dcp.save(small, checkpoint_id="warmup", storage_writer=MemoryStorageWriter(store), no_dist=True)
     store.persist("warmup")
-    wait_persisted(store, "warmup")
+    store.wait_persisted("warmup", timeout=WAIT_S)
     for fn in raws.values():
         fn(data_files(store, "warmup"), -1)
     after_rep(-1)
@@ -276,7 +242,7 @@ def bench_upload(
 
         def run_persist(c: str = cid) -> None:
             store.persist(c)
-            wait_persisted(store, c)
+            store.wait_persisted(c, timeout=WAIT_S)
 
         order: list[tuple[str, Callable[[], None]]] = [(persist_name, run_persist)]
         order += [(n, lambda fn=fn, r=rep, fs=files: fn(fs, r)) for n, fn in raws.items()]
@@ -617,11 +583,11 @@ def train_run(
         run.cpu_proc_s = cpu_self() - c0
         if on:
             saved = [c for i, c in enumerate(saved, 1) if i % args.persist_every == 0]  # the owed ones
-            run.persisted_in_loop = sum(is_persisted(store, c) for c in saved)
+            run.persisted_in_loop = sum(store.status(c).persisted for c in saved)
             run.owed_at_end = len(saved) - run.persisted_in_loop
             t0 = time.perf_counter()
             for c in saved:
-                wait_persisted(store, c)
+                store.wait_persisted(c, timeout=WAIT_S)
             run.drain_s = time.perf_counter() - t0
     finally:
         store.close(timeout=WAIT_S)
@@ -823,12 +789,6 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(train_tables(runs, args))
         print()
-    if RACES:
-        print(
-            f"status()/wait_persisted() failed {len(RACES)} time(s) on a checkpoint being evicted (retried):"
-        )
-        for r in RACES[:5]:
-            print(f"  {r}")
     print(
         f"wall time {wall:.0f} s; load average (1/5/15 min) before "
         f"{'/'.join(f'{x:.2f}' for x in load_before)}, after {'/'.join(f'{x:.2f}' for x in load_after)}"
@@ -836,7 +796,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         payload = {
             **run_record(info, args, wall, load_before, load_after),
-            "status_races": RACES,
             "uploads": [
                 {
                     "target": r.target,
