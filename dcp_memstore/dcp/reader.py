@@ -44,6 +44,10 @@ if TYPE_CHECKING:
     from dcp_memstore.persist.remote_read import RemoteCheckpoint
 
 log = logging.getLogger(__name__)
+NEEDS_CHECKPOINT_ID = (
+    "dcp.load with MemoryStorageReader needs checkpoint_id='NAME', e.g. store.latest_checkpoint(); "
+    "every load names the checkpoint it reads"
+)
 
 
 class MemoryStorageReader(StorageReader):
@@ -58,15 +62,16 @@ class MemoryStorageReader(StorageReader):
         self.checkpoint_id: str | None = None
         self._source: CheckpointSource | None = None
         self._storage_data: dict[MetadataIndex, ShardLocation] = {}
+        self._loaded = False
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """Aim the next load at ``checkpoint_id`` (``dcp.load`` calls this with its ``checkpoint_id``)."""
         if checkpoint_id is None:
-            raise ValueError(
-                "dcp.load with MemoryStorageReader needs checkpoint_id='NAME', e.g. store.latest_checkpoint()"
-            )
+            raise ValueError(NEEDS_CHECKPOINT_ID)
         self.checkpoint_id = validate_name(checkpoint_id)
         self._source = self.store.open_checkpoint(self.checkpoint_id)
         self._storage_data = {}
+        self._loaded = False
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -74,8 +79,9 @@ class MemoryStorageReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         src = self._source
-        if src is None:
-            raise ValueError("MemoryStorageReader.read_metadata called before reset(checkpoint_id)")
+        if src is None or self._loaded:
+            # dcp.load skips reset() when checkpoint_id is None: never load a checkpoint it did not name
+            raise ValueError(NEEDS_CHECKPOINT_ID)
         if src.local_dir is not None:
             manifest = Manifest.read(src.local_dir / MANIFEST)
         elif src.cluster is not None:
@@ -100,6 +106,7 @@ class MemoryStorageReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         assert self._source is not None
+        self._loaded = True  # one load per reset: the next one names its checkpoint again
         by_file: dict[str, list[_Read]] = {}
         for req in plan.items:
             loc = self._storage_data[req.storage_index]

@@ -12,6 +12,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_memstore import InsufficientSpaceError, MemoryStorageReader, MemoryStorageWriter, MemStore
+from dcp_memstore.dcp.reader import NEEDS_CHECKPOINT_ID
 
 MiB = 1 << 20
 BAD_IDS = ["a/b", "../evil", "..", "", "x" * 200, "/abs/path", "sp ace"]
@@ -81,12 +82,21 @@ def test_load_from_an_empty_store_says_there_are_none(quick_store):
         load(quick_store, _state(), "step-1")
 
 
-def test_load_with_checkpoint_id_none_is_a_clear_error(quick_store):
-    save(quick_store, _state(), "a")
+@pytest.mark.parametrize("reader_used_before", [False, True])
+def test_load_with_checkpoint_id_none_is_a_clear_error(quick_store, reader_used_before):
+    """The None that latest_checkpoint() returns when there is nothing to resume from never loads anything,
+    also with a reader that loaded a checkpoint before (DCP does not reset a reader when the id is None)."""
+    save(quick_store, _state(1), "a")
     reader = MemoryStorageReader(quick_store)
+    if reader_used_before:
+        dcp.load(_state(5), checkpoint_id="a", storage_reader=reader, no_dist=True)
+    dest = _state(5)
     with pytest.raises(BaseException) as ei:  # noqa: B017 - CheckpointException derives from BaseException
-        dcp.load(_state(5), checkpoint_id=None, storage_reader=reader, no_dist=True)
-    assert "checkpoint_id" in str(ei.value)
+        dcp.load(dest, checkpoint_id=None, storage_reader=reader, no_dist=True)
+    assert NEEDS_CHECKPOINT_ID in str(ei.value)
+    assert_tree_equal(dest, _state(5))  # nothing loaded
+    dcp.load(dest, checkpoint_id="a", storage_reader=reader, no_dist=True)  # the reader still works
+    assert_tree_equal(dest, _state(1))
 
 
 @pytest.mark.parametrize("mode", ["save", "async_save"])
