@@ -3,7 +3,9 @@
 ``nox -s lint``.
 
 Every session installs torch 2.13.0 first, by exact version, so that installing this package (whose
-dependency on torch is a range) never pulls another torch build.
+dependency on torch is a range) never pulls another torch build. ``DCP_MEMSTORE_TORCH`` replaces that
+requirement (for example with a CUDA build of torch on a GPU machine); the
+sessions then pin that one instead.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ TORCH = os.environ.get("DCP_MEMSTORE_TORCH", "torch==2.13.0")
 
 def _install(session: nox.Session, extras: str = "dev") -> None:
     session.install(TORCH)
-    session.install("-e", f".[{extras}]", "--constraint", _constraints(session))
+    spec = f".[{extras}]" if extras else "."
+    session.install("-e", spec, "--constraint", _constraints(session))
 
 
 def _constraints(session: nox.Session) -> str:
@@ -41,7 +44,7 @@ def tests(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def demo(session: nox.Session) -> None:
     """Train with async checkpoints, SIGKILL a rank mid-run, resume, and compare bit for bit."""
-    _install(session)
+    _install(session, "")  # the package alone: the demo needs nothing else
     session.run("python", "examples/demo.py", *session.posargs)
 
 

@@ -1,6 +1,6 @@
 """Megatron-Core checkpoints in memory: train, save asynchronously every N steps, resume from the newest.
 
-    pip install 'dcp_memstore[megatron]'
+    pip install '.[megatron]' -c constraints.txt   # from the repository root; see docs/megatron.md
     torchrun --nproc-per-node 2 examples/megatron_train.py --steps 20 --save-every 5
     torchrun --nproc-per-node 2 examples/megatron_train.py --steps 30 --save-every 5   # resumes at step 20
 

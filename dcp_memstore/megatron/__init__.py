@@ -4,14 +4,14 @@
 ``async_sharded_save=True`` returning Megatron's ``AsyncRequest``) and ``MemStoreLoadStrategy(store)`` one
 for ``dist_checkpointing.load``. Megatron's ``checkpoint_dir`` keeps its own small files (``common.pt``,
 ``metadata.json``) plus ``dcp_memstore.json``; the tensors and ShardedObjects go to the store under the
-directory's base name. Needs ``pip install 'dcp_memstore[megatron]'``; see docs/megatron.md.
+directory's base name. Needs megatron-core 0.16.1 (the ``megatron`` extra); see docs/megatron.md.
 """
 
 try:
     import megatron.core.dist_checkpointing  # noqa: F401
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
-        f"dcp_memstore.megatron needs megatron-core ({e}); install it with pip install 'dcp_memstore[megatron]'"
+        f"dcp_memstore.megatron needs megatron-core ({e}); install it with pip install megatron-core==0.16.1"
     ) from e
 
 from megatron.core.dist_checkpointing.strategies.base import StrategyAction, register_default_strategy

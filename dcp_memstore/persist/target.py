@@ -43,7 +43,7 @@ class PersistTarget:
         try:
             fsspec.get_filesystem_class(protocol)
         except (ImportError, ValueError) as e:
-            extra = " (pip install 'dcp_memstore[s3]')" if protocol in ("s3", "s3a") else ""
+            extra = " (pip install s3fs: the s3 extra)" if protocol in ("s3", "s3a") else ""
             raise ValueError(f"persist_to={persist_to!r}: no usable fsspec file system{extra}: {e}") from e
 
     @property

@@ -130,7 +130,7 @@ def open_device(device: str | None = None, port: int = 1, gid_index: int | None 
     except ImportError as e:
         raise RuntimeError(
             f"RDMA transport unavailable: pyverbs is not installed ({e}). Install the 'rdma' extra "
-            f"(pip install 'dcp_memstore[rdma]', which needs rdma-core) or use the TCP transport."
+            f"(pip install pyverbs, which needs rdma-core) or use the TCP transport."
         ) from e
     names = rdma_devices()
     if not names:

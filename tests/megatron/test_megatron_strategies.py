@@ -25,7 +25,7 @@ import pytest
 
 pytest.importorskip(
     "megatron.core.dist_checkpointing",
-    reason="megatron-core is not installed (pip install 'dcp_memstore[megatron]')",
+    reason="megatron-core is not installed (pip install megatron-core==0.16.1)",
 )
 
 import torch  # noqa: E402
