@@ -1,7 +1,8 @@
 """Exceptions raised by dcp_memstore.
 
 Each one says what went wrong and what to do about it; they subclass the built-in type a caller would
-catch anyway (ValueError, FileNotFoundError, OSError, ...) so generic handlers keep working.
+catch anyway (ValueError, FileNotFoundError, OSError, ...) so generic handlers keep working. Each one
+pickles: DCP sends a rank's exception to the others by pickling it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ class InsufficientSpaceError(OSError):
     """The node-local store has too little free memory for a checkpoint; raised before anything is written."""
 
     def __init__(self, root: str, needed: int, free: int, detail: str = "") -> None:
-        self.root, self.needed, self.free = root, needed, free
+        self.root, self.needed, self.free, self.detail = root, needed, free, detail
         msg = (
             f"not enough space in {root} for this checkpoint: {needed} bytes needed, {free} bytes free"
             f"{' (' + detail + ')' if detail else ''}. Lower keep_in_memory, give the tmpfs more room "
@@ -21,6 +22,9 @@ class InsufficientSpaceError(OSError):
 
     def __str__(self) -> str:  # OSError's default prefixes "[Errno 28]", which hides the message's start
         return self.strerror
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.root, self.needed, self.free, self.detail)
 
 
 class ChecksumMismatchError(RuntimeError):
@@ -34,6 +38,9 @@ class ChecksumMismatchError(RuntimeError):
             f"(store.list_checkpoints()) or turn verification off with MemStore(verify_checksums=False) "
             f"only if you accept corrupt data."
         )
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.path, self.item, self.expected, self.actual)
 
 
 class CheckpointExistsError(FileExistsError):

@@ -65,8 +65,11 @@ class ReplicationError(RuntimeError):
     ``rdma_failed`` (setting up RDMA failed on the peer before any byte moved))."""
 
     def __init__(self, peer: PeerAddress, code: str, message: str) -> None:
-        self.peer, self.code = peer, code
+        self.peer, self.code, self.message = peer, code, message
         super().__init__(f"peer {format_peer(peer)}: {message} [{code}]")
+
+    def __reduce__(self) -> tuple:  # DCP sends a failed load's exception to the other ranks pickled
+        return type(self), (self.peer, self.code, self.message)
 
 
 class Transport(ABC):

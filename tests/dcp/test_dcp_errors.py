@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import time
 
 import pytest
@@ -13,6 +14,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_memstore import InsufficientSpaceError, MemoryStorageReader, MemoryStorageWriter, MemStore
 from dcp_memstore.dcp.reader import NEEDS_CHECKPOINT_ID
+from dcp_memstore.errors import ChecksumMismatchError
+from dcp_memstore.replication.transport import ReplicationError
 
 MiB = 1 << 20
 BAD_IDS = ["a/b", "../evil", "..", "", "x" * 200, "/abs/path", "sp ace"]
@@ -243,3 +246,18 @@ def test_use_collectives_false_is_refused(quick_store):
     with pytest.raises(ValueError, match="use_collectives=True"):  # without collectives DCP raises it as is
         save(quick_store, _state(), "a", use_collectives=False)
     assert store_tree(quick_store) == before
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        InsufficientSpaceError("/dev/shm/x", 10, 5, "2 ranks"),
+        ChecksumMismatchError("/dev/shm/x/__0_0.shard", "model.w", 1, 2),
+        ReplicationError(("10.0.0.2", 4000), "no_space", "no room"),
+    ],
+)
+def test_errors_survive_pickling_with_their_message(error):
+    """DCP hands a rank's exception to the other ranks pickled."""
+    again = pickle.loads(pickle.dumps(error))
+    assert type(again) is type(error) and str(again) == str(error)
+    assert vars(again) == vars(error)
