@@ -28,10 +28,10 @@ from dcp_memstore.store.checksum import (
 )
 from dcp_memstore.store.faults import crash_point
 from dcp_memstore.store.layout import objects_name, shard_name
-from dcp_memstore.store.manifest import ShardLocation
+from dcp_memstore.store.manifest import ShardLocation, manifest_bytes_estimate
 from dcp_memstore.store.mapping import MAPPINGS, MappedFile
 from dcp_memstore.store.packing import ITEM_ALIGN, pack
-from dcp_memstore.store.pool import FilePool
+from dcp_memstore.store.pool import FilePool, round_up
 from dcp_memstore.store.records import write_atomic
 from dcp_memstore.store.threads import run_parallel
 
@@ -90,10 +90,12 @@ class RankWrite:
         for key in staged:
             names[key] = shard_name(self.rank, next_index)
             next_index += 1
-        # Checked again here because with plan caching DCP hands prepare_local_plan an empty plan.
-        needed = sum(t.numel() * t.element_size() for _, t in to_copy) + sum(len(b) for _, b in objects)
-        self.store.check_space(needed, self.rank)
         copy_files = self._place_copies(to_copy, next_index)
+        # Checked again here because with plan caching DCP hands prepare_local_plan an empty plan.
+        needed = sum(round_up(size) for _, size, _ in copy_files)
+        needed += round_up(sum(len(b) + (-len(b) % ITEM_ALIGN) for _, b in objects)) if objects else 0
+        needed += manifest_bytes_estimate(it.index.fqn for it in self.plan.items)
+        self.store.check_space(needed, self.rank)
         stager = Stager.of(self.store) if self.reserve_ahead and self.slot is None and copy_files else None
 
         jobs = [

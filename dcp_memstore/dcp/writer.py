@@ -8,6 +8,7 @@ marker, then evicts checkpoints beyond ``keep_in_memory``. A failed step gives i
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import threading
@@ -30,18 +31,24 @@ from dcp_memstore.dcp.metadata_codec import encode_metadata
 from dcp_memstore.dcp.rank_write import RankWrite
 from dcp_memstore.dcp.save_order import SaveOrder
 from dcp_memstore.dcp.stager import Stager, current_rank
-from dcp_memstore.errors import CheckpointExistsError
+from dcp_memstore.errors import CheckpointExistsError, InsufficientSpaceError
 from dcp_memstore.memstore import MemStore
 from dcp_memstore.store import catalog
 from dcp_memstore.store.catalog import CommitRecord
 from dcp_memstore.store.faults import crash_point
 from dcp_memstore.store.ids import is_valid_name, validate_name
 from dcp_memstore.store.layout import MANIFEST, StoreLayout, parse_slot
-from dcp_memstore.store.manifest import Manifest, ManifestItem
+from dcp_memstore.store.manifest import Manifest, ManifestItem, manifest_bytes_estimate
 from dcp_memstore.store.mapping import MAPPINGS
+from dcp_memstore.store.packing import packed_bytes
 from dcp_memstore.store.records import write_atomic
+from dcp_memstore.store.space import free_bytes
 
 F = TypeVar("F", bound=Callable[..., Any])
+# The checkpoint directories that saves of this process began and have not finished, by (job dir, id), to
+# tell a save running now from an earlier failed attempt; an entry goes with its writer.
+_begun: weakref.WeakValueDictionary[tuple[str, str], MemoryStorageWriter] = weakref.WeakValueDictionary()
+_begun_lock = threading.Lock()
 
 
 def _releases_slot_on_error(method: F) -> F:
@@ -147,6 +154,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             self._current = ticket
             self._release_slot()
             raise
+        self._forget_begun()  # its previous save, if it failed before committing
         self._current, self.checkpoint_id, self._armed = ticket, cid, True
         self._save_started = time.time()
         if ticket is not None and ticket[1] is not None:
@@ -184,22 +192,56 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                 f"checkpoint {self.checkpoint_id!r} already exists in store {self.store.layout.job_dir}; "
                 "save under a new id or remove it first with store.delete(id)"
             )
+        needed = manifest_bytes_estimate(it.index.fqn for it in plan.items)
         if self._current is None:  # not staged: this save copies every tensor into new shard files
             # Files allocated ahead for it count once they are in the pool; those still being allocated
             # would count nowhere, so the reservation stops first (the save allocates the rest itself).
             Stager.of(self.store).wait_reserved(stop=True)
-            needed = sum(_nbytes(it) for it in plan.items)
-            self.store.check_space(needed, self.rank)
+            needed += packed_bytes(
+                [_nbytes(it) for it in plan.items if it.tensor_data], self.store.io_threads
+            )
+        self.store.check_space(needed, self.rank)
         return plan
 
     @_releases_slot_on_error
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         assert self.checkpoint_id is not None
-        stale = self.store.layout.checkpoint_dir(self.checkpoint_id)
-        if stale.exists() and catalog.read_commit(self.store.layout, self.checkpoint_id) is None:
-            catalog.discard(self.store.layout, stale)  # an earlier failed attempt at this id
-        catalog.begin(self.store.layout, self.checkpoint_id)
+        layout, cid = self.store.layout, self.checkpoint_id
+        key = (str(layout.job_dir), cid)
+        with _begun_lock:
+            directory = layout.checkpoint_dir(cid)
+            if directory.exists() and catalog.read_commit(layout, cid) is None:
+                self._refuse_if_being_saved()
+                catalog.discard(layout, directory)  # an earlier failed attempt at this id
+            try:
+                catalog.begin(layout, cid)
+            except OSError as e:
+                if directory.exists():  # another process began it between the check and here
+                    raise CheckpointExistsError(self._being_saved("another process")) from e
+                raise
+            _begun[key] = self
         return plans
+
+    def _refuse_if_being_saved(self) -> None:
+        """CheckpointExistsError if another save, running now, began this checkpoint id's directory."""
+        layout, cid = self.store.layout, self.checkpoint_id
+        other = _begun.get((str(layout.job_dir), cid))
+        if other is not None and other is not self:
+            raise CheckpointExistsError(self._being_saved("another save in this process"))
+        owner = catalog.saving_process(layout, cid)
+        if owner is not None:
+            since = time.strftime("%H:%M:%S", time.localtime(owner.get("started", 0)))
+            raise CheckpointExistsError(
+                self._being_saved(f"process {owner.get('pid')} (since {since})")
+                + ". Two runs with the same root and job id share one store: give each run its own job_id "
+                "(MemStore(job_id=...) or DCP_MEMSTORE_JOB_ID)"
+            )
+
+    def _being_saved(self, by: str) -> str:
+        return (
+            f"checkpoint {self.checkpoint_id!r} is being saved right now by {by} in store "
+            f"{self.store.layout.job_dir}; save under another id, or wait until that save has finished"
+        )
 
     @_releases_slot_on_error
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -228,29 +270,47 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         manifest = Manifest(self.checkpoint_id, len(results), items, encode_metadata(metadata))
         directory = layout.checkpoint_dir(self.checkpoint_id)
         encoded = manifest.encode()
-        write_atomic(directory / MANIFEST, encoded)
-        crash_point("before-commit", self.rank)
-        record = CommitRecord(self.checkpoint_id, catalog.next_seq(layout), time.time(), manifest.nbytes)
-        try:  # other nodes: prepared (invisible) first, committed only after this node commits
+        try:
+            try:
+                write_atomic(directory / MANIFEST, encoded)
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                raise InsufficientSpaceError(
+                    str(layout.root), len(encoded), free_bytes(layout.root), "for the manifest"
+                ) from e
+            crash_point("before-commit", self.rank)
+            record = CommitRecord(self.checkpoint_id, catalog.next_seq(layout), time.time(), manifest.nbytes)
+            # other nodes: prepared (invisible) first, committed only after this node commits
             record = self.store.prepare_everywhere(record, encoded)
         except BaseException:
-            catalog.discard(layout, directory)
+            catalog.discard(layout, directory)  # the save failed: its files serve the next one
+            self._release_slot()
             raise
         self.store.prepare_commit(self.checkpoint_id, record.seq)
         catalog.commit(
             layout, self.checkpoint_id, manifest.nbytes, seq=record.seq, committed_at=record.committed_at
         )
         crash_point("after-commit", self.rank)
+        self._forget_begun()
         self.store.commit_everywhere(record)
         self.store.after_commit()
         catalog.clear_abandoned(layout, before=self._save_started)
 
+    def _forget_begun(self) -> None:
+        """This writer's save is over (committed, or it starts another): another may take its id."""
+        with _begun_lock:
+            for key in [k for k, w in _begun.items() if w is self]:
+                del _begun[key]
+
     def _release_slot(self) -> None:
-        """This save failed: recycle its staging slot, and drop its ticket if it never started."""
+        """This save failed: recycle its staging slot, drop its ticket if it never started, and let another
+        save take its id."""
         if self._current is not None:
             _give_back(self.store.layout, *self._current)
         self._current = None
         self._armed = False
+        self._forget_begun()
 
     @property
     def _order(self) -> SaveOrder:

@@ -81,6 +81,15 @@ def begin(layout: StoreLayout, checkpoint_id: str) -> Path:
     return final
 
 
+def saving_process(layout: StoreLayout, checkpoint_id: str) -> dict | None:
+    """The owner record (pid, host, start time) of the uncommitted save of ``checkpoint_id`` if another
+    process that is still running made it; None if there is none, or it is this process's or a dead one's."""
+    owner = _safe_read(layout.checkpoint_dir(checkpoint_id) / INPROGRESS)
+    if owner is None or _is_self(owner) or not _owner_alive(owner):
+        return None
+    return owner
+
+
 def next_seq(layout: StoreLayout) -> int:
     """The sequence number the next commit gets (one more than the newest committed checkpoint's)."""
     return max((r.seq for r in committed(layout)), default=0) + 1
