@@ -231,7 +231,7 @@ class MemStore(ReplicatingStore):
 
     def list_checkpoints(self) -> list[str]:
         """Committed checkpoints in this node's store, oldest first."""
-        self._check_open()
+        self.check_open()
         return [r.checkpoint_id for r in catalog.committed(self.layout)]
 
     def latest_checkpoint(self, process_group: dist.ProcessGroup | None = None) -> str | None:
@@ -242,7 +242,7 @@ class MemStore(ReplicatingStore):
         In a multi-node job it also repairs: a node that lost the chosen checkpoint (an empty tmpfs after
         a replacement) restores its files from the peers holding them, and replicas lost with a node are
         sent again."""
-        self._check_open()
+        self.check_open()
         mine = {
             r.checkpoint_id: [r.checkpoint_id, r.committed_at, r.seq] for r in catalog.committed(self.layout)
         }
@@ -344,7 +344,7 @@ class MemStore(ReplicatingStore):
     def persist(self, checkpoint_id: str) -> None:
         """Upload committed checkpoint ``checkpoint_id`` in the background (returns at once; see
         ``wait_persisted``). Also retries one whose upload failed. Call it on one rank per node or on all."""
-        self._check_open()
+        self.check_open()
         if self.target is None:
             raise ValueError(
                 "this MemStore has no persist_to; pass persist_to='s3://bucket/prefix' or a directory"
@@ -551,9 +551,13 @@ class MemStore(ReplicatingStore):
         state["_control_transport"] = None
         return state
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """RuntimeError if ``close()`` was called: a closed store neither saves nor loads."""
         if self._closed:
-            raise RuntimeError(f"MemStore {self.layout.job_dir} is closed")
+            raise RuntimeError(
+                f"MemStore {self.layout.job_dir} is closed; make a new MemStore(root=..., job_id=...) "
+                "to save or load again"
+            )
 
     def __enter__(self) -> MemStore:
         return self

@@ -9,8 +9,10 @@ import warnings
 
 import psutil
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
-from dcp_memstore import MemStore
+from dcp_memstore import MemoryStorageWriter, MemStore
 from dcp_memstore.store import catalog
 from dcp_memstore.store.layout import INPROGRESS, shard_name
 from dcp_memstore.store.records import write_record
@@ -139,6 +141,12 @@ def test_closed_store_refuses_queries_and_close_is_idempotent(store):
         store.list_checkpoints()
     with pytest.raises(RuntimeError, match="is closed"):
         store.latest_checkpoint()
+    state = {"w": torch.ones(8)}
+    with pytest.raises(BaseException, match="is closed"):  # CheckpointException derives from BaseException
+        dcp.save(state, checkpoint_id="late", storage_writer=MemoryStorageWriter(store), no_dist=True)
+    with pytest.raises(RuntimeError, match="is closed; make a new MemStore"):
+        dcp.async_save(state, checkpoint_id="late", storage_writer=MemoryStorageWriter(store), no_dist=True)
+    assert catalog.committed(store.layout) == [] and not any(store.layout.staging_dir.iterdir())
     store.close()
 
 

@@ -121,6 +121,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Copy ``state_dict``'s tensors into tmpfs shard files; training may go on once this returns."""
+        self.store.check_open()
         staged, ticket = Stager.of(self.store).stage(state_dict)
         if self._pending:  # an earlier save staged here has not started: the two could not be told apart
             _abandon_pending(self.store.layout, deque([(ticket.seq, ticket.slot, None)]))
@@ -147,6 +148,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         pending = self._pending.popleft() if self._pending and self._pending[0][2] != here else None
         ticket = pending[:2] if pending else None
         try:
+            self.store.check_open()
             cid = None if checkpoint_id is None else validate_name(checkpoint_id)
             # Wait for earlier saves of this job in this process before touching any per-save state.
             self._order.begin(ticket[0] if ticket else None, self.store.stage_timeout_s)
