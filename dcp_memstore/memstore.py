@@ -9,6 +9,7 @@ import logging
 import os
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -208,6 +209,7 @@ class MemStore(ReplicatingStore):
                 stacklevel=2,
             )
         self._closed = False
+        self._close_hooks: list[Callable[[], None]] = []
         cleared = catalog.clear_abandoned(self.layout)
         if cleared:
             log.info("cleared uncommitted leftovers of dead saves: %s", cleared)
@@ -519,8 +521,18 @@ class MemStore(ReplicatingStore):
             if self._persister is not None:
                 self._persister.release(timeout)
                 self._persister = None
+            for hook in self._close_hooks:
+                try:
+                    hook()
+                except Exception as e:  # noqa: BLE001 - tidying up; closing goes on
+                    log.warning("while closing store %s: %s", self.layout.job_dir, e)
             MAPPINGS.prune()
             self._closed = True
+
+    def on_close(self, hook: Callable[[], None]) -> None:
+        """Have ``close()`` call ``hook`` (once per hook: the layers above tidy up what they hold)."""
+        if hook not in self._close_hooks:
+            self._close_hooks.append(hook)
 
     def _drain(self, timeout: float | None) -> None:
         recs = catalog.committed(self.layout)
@@ -549,6 +561,7 @@ class MemStore(ReplicatingStore):
         state["_service"] = None
         state["_is_copy"] = True
         state["_control_transport"] = None
+        state["_close_hooks"] = []  # they tidy up this process's state
         return state
 
     def check_open(self) -> None:

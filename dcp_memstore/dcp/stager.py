@@ -12,6 +12,7 @@ in the background (``store/reserve.py``), so that only the first save pays for n
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -24,7 +25,7 @@ import torch
 
 from dcp_memstore.dcp import state_tree
 from dcp_memstore.dcp.save_order import SaveOrder, Ticket, never_started_hint, wait_while
-from dcp_memstore.errors import StagingTimeoutError
+from dcp_memstore.errors import InsufficientSpaceError, StagingTimeoutError
 from dcp_memstore.memstore import MemStore
 from dcp_memstore.store.catalog import claim_owner, committed, recycle
 from dcp_memstore.store.device_copy import DeviceToHost
@@ -34,6 +35,7 @@ from dcp_memstore.store.mapping import MAPPINGS, MappedFile
 from dcp_memstore.store.packing import pack
 from dcp_memstore.store.pool import FilePool
 from dcp_memstore.store.reserve import Reservation
+from dcp_memstore.store.space import free_bytes
 from dcp_memstore.store.threads import run_parallel
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,7 @@ class Stager:
             if st is None:
                 st = cls._instances[key] = cls(store)
             st.store = store
+            store.on_close(st.reclaim_slots)
             return st
 
     def __init__(self, store: MemStore) -> None:
@@ -118,9 +121,20 @@ class Stager:
                     return v.requires_grad_(True) if t.requires_grad and v.is_floating_point() else v
 
                 return state_tree.rebuild(state_dict, replace), ticket
-            except BaseException:
+            except BaseException as e:
                 self.order.cancel(ticket.seq)
                 recycle(self.store.layout, slot)
+                if (
+                    isinstance(e, OSError)
+                    and e.errno == errno.ENOSPC
+                    and not isinstance(e, InsufficientSpaceError)
+                ):
+                    root = (
+                        self.store.layout.root
+                    )  # full before the files were allocated (the slot, its records)
+                    raise InsufficientSpaceError(
+                        str(root), sum(file_sizes), free_bytes(root), "while staging"
+                    ) from e
                 raise
 
     def _copy(
@@ -202,6 +216,11 @@ class Stager:
                 "futures of earlier "
                 "dcp.async_save calls for an error, or raise MemStore(stage_timeout_s=...)"
             )
+
+    def reclaim_slots(self) -> None:
+        """Recycle the slots of saves that ended without writing them (they failed), and of saves that never
+        started; the slots of saves still in flight stay theirs."""
+        self._active_slots()
 
     def _active_slots(self) -> list[Ticket]:
         for slot in self.order.take_abandoned():

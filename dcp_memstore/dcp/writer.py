@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import logging
 import os
 import threading
 import time
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.staging import AsyncStager
@@ -45,6 +47,7 @@ from dcp_memstore.store.records import write_atomic
 from dcp_memstore.store.space import free_bytes
 
 F = TypeVar("F", bound=Callable[..., Any])
+log = logging.getLogger(__name__)
 # The checkpoint directories that saves of this process began and have not finished, by (job dir, id), to
 # tell a save running now from an earlier failed attempt; an entry goes with its writer.
 _begun: weakref.WeakValueDictionary[tuple[str, str], MemoryStorageWriter] = weakref.WeakValueDictionary()
@@ -88,6 +91,9 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         self._armed = False  # reset() ran for the save in progress
         self._save_started = 0.0
         self._reserve_ahead = True  # False in DCP's checkpoint process, where no save would claim them
+        # (error, (pid, thread) that staged) of a save whose staging failed here while other ranks staged
+        self._stage_error: tuple[BaseException, tuple[int, int]] | None = None
+        self._failed_staging: BaseException | None = None  # the save in progress: fail it when planning
         # A staged save that never runs (its async_save failed after staging) must not block later ones.
         self._abandon = weakref.finalize(self, _abandon_later, str(store.layout.job_dir), self._pending)
 
@@ -110,6 +116,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         state["_pending"] = deque(self._pending)
         state.pop("_abandon", None)
         self._pending.clear()
+        self._stage_error = None  # taken over too
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -122,14 +129,25 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Copy ``state_dict``'s tensors into tmpfs shard files; training may go on once this returns."""
         self.store.check_open()
-        staged, ticket = Stager.of(self.store).stage(state_dict)
-        if self._pending:  # an earlier save staged here has not started: the two could not be told apart
+        here = (os.getpid(), threading.get_ident())
+        try:
+            staged, ticket = Stager.of(self.store).stage(state_dict)
+        except Exception as e:
+            if not _other_ranks_wait() or self._pending or self._stage_error is not None:
+                raise
+            # This rank's background save still has to take part in DCP's collectives, or the other ranks'
+            # saves would wait for it until the process group times out: it fails when planning, on every
+            # rank at once (and this rank's future says why).
+            log.warning("staging failed on this rank; the save will fail on every rank: %s", e)
+            self._stage_error = (e, here)
+            return {}
+        if self._pending or self._stage_error is not None:  # an earlier save staged here has not started
             _abandon_pending(self.store.layout, deque([(ticket.seq, ticket.slot, None)]))
             raise ValueError(
                 "this MemoryStorageWriter already has a staged save that has not started; give each "
                 "overlapping dcp.async_save its own MemoryStorageWriter(store), or wait for the previous future"
             )
-        self._pending.append((ticket.seq, ticket.slot, (os.getpid(), threading.get_ident())))
+        self._pending.append((ticket.seq, ticket.slot, here))
         return staged
 
     def synchronize_staging(self) -> None:
@@ -145,6 +163,9 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         # A save staged by this very thread is run by another one (DCP's executor); a synchronous save on
         # the staging thread leaves it to that thread.
         here = (os.getpid(), threading.get_ident())
+        failed = None
+        if self._stage_error is not None and self._stage_error[1] != here:
+            failed, self._stage_error = self._stage_error[0], None
         pending = self._pending.popleft() if self._pending and self._pending[0][2] != here else None
         ticket = pending[:2] if pending else None
         try:
@@ -158,6 +179,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             raise
         self._forget_begun()  # its previous save, if it failed before committing
         self._current, self.checkpoint_id, self._armed = ticket, cid, True
+        self._failed_staging = failed
         self._save_started = time.time()
         if ticket is not None and ticket[1] is not None:
             _recycle_unwritten_before(self.store.layout, Path(ticket[1]))
@@ -171,6 +193,9 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         if not self._armed:  # DCP skips reset() when checkpoint_id is None: take this save's staged state now
             self.reset(None)
         self._armed = False
+        if self._failed_staging is not None:  # DCP runs this on every rank before its first collective
+            error, self._failed_staging = self._failed_staging, None
+            raise error
         if kwargs.get("use_collectives", True) is False:
             raise ValueError(
                 "MemoryStorageWriter needs use_collectives=True (the coordinator commits each checkpoint)"
@@ -317,6 +342,11 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
     @property
     def _order(self) -> SaveOrder:
         return SaveOrder.of(str(self.store.layout.job_dir))
+
+
+def _other_ranks_wait() -> bool:
+    """Whether a save here is one of several ranks' (a failure before DCP's collectives would hang them)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _give_back(layout: StoreLayout, seq: int, slot: str | None) -> None:

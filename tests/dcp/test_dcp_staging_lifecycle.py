@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
+import time
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
 
 from dcp_memstore import MemoryStorageReader, MemoryStorageWriter, MemStore
 
@@ -89,3 +92,28 @@ def test_sync_save_right_after_async_save_on_the_same_writer_waits_for_it(store)
     assert torch.equal(_load(store, "b")["w"], torch.full((1000,), 2.0))
     dcp.async_save(_state(3.0), checkpoint_id="c", storage_writer=writer, no_dist=True).result(timeout=30)
     assert torch.equal(_load(store, "c")["w"], torch.full((1000,), 3.0))
+
+
+class _FailingPlanner(DefaultSavePlanner):
+    """Fails the background save after staging, as any error in DCP's planning would."""
+
+    def create_local_plan(self):
+        raise RuntimeError("planning failed")
+
+
+def test_close_gives_back_the_staged_files_of_a_failed_async_save(store):
+    """A failed save at the end of a job must not leave a checkpoint's worth of staged files behind."""
+    fut = dcp.async_save(
+        _state(1.0), checkpoint_id="a", storage_writer=MemoryStorageWriter(store), no_dist=True,
+        planner=_FailingPlanner(),
+    )  # fmt: skip
+    with pytest.raises(BaseException, match="planning failed"):  # noqa: B017 - CheckpointException
+        fut.result(timeout=30)
+    deadline = time.monotonic() + 10
+    while any(t.is_alive() for t in threading.enumerate() if t.name.startswith("ThreadPoolExecutor")):
+        assert time.monotonic() < deadline  # DCP's save thread ends after the future's result is set
+        time.sleep(0.01)
+    assert len(_staging(store)) == 1
+    store.close()
+    assert _staging(store) == []
+    assert list(store.layout.checkpoints_dir.iterdir()) == []

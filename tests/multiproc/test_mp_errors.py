@@ -3,11 +3,13 @@ of our exceptions has to survive pickling with its message."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from mp_harness import make_tensor
+from mp_harness import assert_bit_equal, make_tensor
 
 from dcp_memstore import MemoryStorageReader, MemoryStorageWriter, MemStore
 
@@ -40,3 +42,31 @@ def test_a_checksum_mismatch_on_one_rank_reaches_every_rank_with_its_message(mp)
     for rank, error in enumerate(mp.run(load_corrupt, 2, str(mp.root))):
         assert "checksum mismatch in" in error and "__1_" in error and "rank1" in error, (rank, error)
         assert "TypeError" not in error, (rank, error)
+
+
+def stage_fails_on_rank_1(rank: int, world: int, root: str) -> dict:
+    """async_save where only rank 1's staging fails (no room for its 16 MiB on an 8 MiB tmpfs): every
+    rank's future must fail with rank 1's reason, at once, and the next save must work."""
+    store = MemStore(root, "job", io_threads=2, stage_timeout_s=30)
+    big = {f"rank{rank}": make_tensor(rank, ((1 if rank == 0 else 4) << 20,), torch.float32)}
+    t0 = time.monotonic()
+    fut = dcp.async_save(big, checkpoint_id="too-big", storage_writer=MemoryStorageWriter(store))
+    try:
+        fut.result(timeout=60)
+        error = "saved"
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException derives from BaseException
+        error = f"{type(e).__name__}: {e}"
+    waited = time.monotonic() - t0
+    small = {f"rank{rank}": make_tensor(10 + rank, (1000,), torch.float32)}
+    dcp.async_save(small, checkpoint_id="ok", storage_writer=MemoryStorageWriter(store)).result(timeout=60)
+    out = {f"rank{rank}": torch.zeros(1000)}
+    dcp.load(out, checkpoint_id="ok", storage_reader=MemoryStorageReader(store))
+    assert_bit_equal(out, small, f"rank {rank} after the failed save")
+    store.close()
+    return {"error": error, "waited": waited}
+
+
+def test_a_staging_failure_on_one_rank_fails_the_save_on_every_rank_at_once(mp, small_tmpfs) -> None:
+    for rank, r in enumerate(mp.run(stage_fails_on_rank_1, 2, str(small_tmpfs))):
+        assert "not enough space" in r["error"] and "bytes needed" in r["error"], (rank, r)
+        assert r["waited"] < 30, (rank, r)  # not a collective timing out
