@@ -93,7 +93,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         self._reserve_ahead = True  # False in DCP's checkpoint process, where no save would claim them
         # (error, (pid, thread) that staged) of a save whose staging failed here while other ranks staged
         self._stage_error: tuple[BaseException, tuple[int, int]] | None = None
-        self._failed_staging: BaseException | None = None  # the save in progress: fail it when planning
+        self._deferred_error: BaseException | None = None  # fails the save in progress when it plans
         # A staged save that never runs (its async_save failed after staging) must not block later ones.
         self._abandon = weakref.finalize(self, _abandon_later, str(store.layout.job_dir), self._pending)
 
@@ -128,9 +128,9 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Copy ``state_dict``'s tensors into tmpfs shard files; training may go on once this returns."""
-        self.store.check_open()
         here = (os.getpid(), threading.get_ident())
         try:
+            self.store.check_open()
             staged, ticket = Stager.of(self.store).stage(state_dict)
         except Exception as e:
             if not _other_ranks_wait() or self._pending or self._stage_error is not None:
@@ -173,13 +173,16 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             cid = None if checkpoint_id is None else validate_name(checkpoint_id)
             # Wait for earlier saves of this job in this process before touching any per-save state.
             self._order.begin(ticket[0] if ticket else None, self.store.stage_timeout_s)
-        except BaseException:
+        except BaseException as e:
             self._current = ticket
             self._release_slot()
-            raise
+            if not (isinstance(e, Exception) and _other_ranks_wait()):
+                raise
+            # DCP calls this before its collectives: fail the save when planning, on every rank (see stage)
+            failed, ticket, cid = failed or e, None, None
         self._forget_begun()  # its previous save, if it failed before committing
         self._current, self.checkpoint_id, self._armed = ticket, cid, True
-        self._failed_staging = failed
+        self._deferred_error = failed
         self._save_started = time.time()
         if ticket is not None and ticket[1] is not None:
             _recycle_unwritten_before(self.store.layout, Path(ticket[1]))
@@ -193,8 +196,8 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         if not self._armed:  # DCP skips reset() when checkpoint_id is None: take this save's staged state now
             self.reset(None)
         self._armed = False
-        if self._failed_staging is not None:  # DCP runs this on every rank before its first collective
-            error, self._failed_staging = self._failed_staging, None
+        if self._deferred_error is not None:  # DCP runs this on every rank before its first collective
+            error, self._deferred_error = self._deferred_error, None
             raise error
         if kwargs.get("use_collectives", True) is False:
             raise ValueError(

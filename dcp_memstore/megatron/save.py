@@ -143,7 +143,9 @@ def _stage(writer: MemoryStorageWriter, flat: dict[str, list[Any]]) -> dict[str,
     shards = [
         sh for shs in flat.values() for sh in shs if isinstance(sh, ShardedTensor) and sh.data is not None
     ]
-    staged = writer.stage({"data": [sh.data for sh in shards]})["data"]
+    staged = writer.stage({"data": [sh.data for sh in shards]}).get("data")
+    if staged is None:  # staging failed on this rank; the planning (a collective) fails on every rank
+        return flat
     copies = {}
     for sh, data in zip(shards, staged, strict=True):
         copies[id(sh)] = c = copy.copy(sh)

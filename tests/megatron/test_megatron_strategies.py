@@ -57,6 +57,7 @@ pytestmark = pytest.mark.slow
 WORLD = 2
 SYNC, ASYNC, EXEC = "iter_0000001", "iter_0000002", "iter_0000003"  # checkpoint directories' names
 FAILED = "iter_0000099"  # a save whose write fails
+STAGE_FAILED = "iter_0000098"  # a save whose staging fails on one rank
 MEGATRON_FILES = ["common.pt", POINTER, "metadata.json"]  # all that a checkpoint_dir holds
 
 
@@ -192,6 +193,18 @@ def megatron_job(rank: int, world: int, root: str, ckpts: str) -> dict[str, Any]
         "checkpoint_dir": sorted(os.listdir(base / FAILED)),
     }
 
+    # 4b. staging fails on rank 1 only (it saves through a store it closed): the save fails on every rank
+    # when planning (a collective), at once, instead of leaving rank 0 waiting there for rank 1
+    closed = MemStore(root, JOB_ID, keep_in_memory=3, io_threads=2)
+    closed.close()
+    strategy = MemStoreSaveStrategy(closed if rank == 1 else store)
+    t0 = time.monotonic()
+    try:
+        mdc.save(state(6)[1], str(base / STAGE_FAILED), sharded_strategy=strategy, async_sharded_save=True)
+        out["stage_failed"] = None
+    except CheckpointException as e:
+        out["stage_failed"] = {"error": str(e), "seconds": time.monotonic() - t0}
+
     # 5. async request run inline with execute_sync(), through Megatron's fully parallel wrapper (which
     # spreads the main replicas of replicated tensors over the ranks)
     values, sd = state(3)
@@ -237,7 +250,7 @@ def job() -> Any:
     m = MultiProc()
     try:
         ckpts = m.workdir / "ckpts"
-        for name in (SYNC, ASYNC, EXEC, FAILED, f"again/{SYNC}"):
+        for name in (SYNC, ASYNC, EXEC, FAILED, STAGE_FAILED, f"again/{SYNC}"):
             (ckpts / name).mkdir(parents=True)  # Megatron wants checkpoint_dir to exist
         reports = m.run(megatron_job, WORLD, str(m.root), str(ckpts))
         yield reports
@@ -323,6 +336,16 @@ def test_failed_write_raises_everywhere_and_commits_nothing(job: list[dict]) -> 
         assert rep["failed_write"] is not None and "failed" in rep["failed_write"]
         assert rep["failed_state"] == {"committed": False, "checkpoint_dir": ["common.pt"]}
         assert FAILED not in rep["store_checkpoints"] and EXEC in rep["store_checkpoints"]
+
+
+def test_staging_failure_on_one_rank_fails_the_save_on_every_rank_at_once(job: list[dict]) -> None:
+    """A rank whose staging fails still takes part in the planning, where the save fails on every rank
+    with its error (before, the other rank waited in a collective until the group timed out)."""
+    for rep in job:
+        failed = rep["stage_failed"]
+        assert failed is not None and "is closed" in failed["error"], failed
+        assert failed["seconds"] < 60, failed
+        assert STAGE_FAILED not in rep["store_checkpoints"] and EXEC in rep["store_checkpoints"]
 
 
 def test_megatron_without_our_load_strategy(job: list[dict]) -> None:
