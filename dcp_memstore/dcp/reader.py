@@ -78,6 +78,12 @@ class MemoryStorageReader(StorageReader):
         return is_valid_name(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if "rank" in kwargs:
+            # DCP's fallback after a failed read: it would go on without collectives on this rank alone,
+            # while the other ranks wait in them. There is no rank-local metadata: fail the load everywhere.
+            raise ValueError(
+                "MemoryStorageReader has no rank-local metadata; the checkpoint's could not be read"
+            )
         src = self._source
         if src is None or self._loaded:
             # dcp.load skips reset() when checkpoint_id is None: never load a checkpoint it did not name

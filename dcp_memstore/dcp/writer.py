@@ -94,6 +94,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         # (error, (pid, thread) that staged) of a save whose staging failed here while other ranks staged
         self._stage_error: tuple[BaseException, tuple[int, int]] | None = None
         self._deferred_error: BaseException | None = None  # fails the save in progress when it plans
+        self._begun_by: threading.Thread | None = None  # the thread that began this writer's checkpoint
         # A staged save that never runs (its async_save failed after staging) must not block later ones.
         self._abandon = weakref.finalize(self, _abandon_later, str(store.layout.job_dir), self._pending)
 
@@ -115,6 +116,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         state = dict(self.__dict__)
         state["_pending"] = deque(self._pending)
         state.pop("_abandon", None)
+        state["_begun_by"] = None  # a thread of this process
         self._pending.clear()
         self._stage_error = None  # taken over too
         return state
@@ -139,6 +141,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             # saves would wait for it until the process group times out: it fails when planning, on every
             # rank at once (and this rank's future says why).
             log.warning("staging failed on this rank; the save will fail on every rank: %s", e)
+            self._pending.append((self._order.issue().seq, None, here))  # in order with the other saves
             self._stage_error = (e, here)
             return {}
         if self._pending or self._stage_error is not None:  # an earlier save staged here has not started
@@ -237,6 +240,10 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         assert self.checkpoint_id is not None
         layout, cid = self.store.layout, self.checkpoint_id
+        # the coordinator writes the manifest of every rank's items (each rank counted only its own)
+        self.store.check_space(
+            manifest_bytes_estimate(it.index.fqn for p in plans for it in p.items), self.rank
+        )
         key = (str(layout.job_dir), cid)
         with _begun_lock:
             directory = layout.checkpoint_dir(cid)
@@ -250,13 +257,14 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                     raise CheckpointExistsError(self._being_saved("another process")) from e
                 raise
             _begun[key] = self
+            self._begun_by = threading.current_thread()
         return plans
 
     def _refuse_if_being_saved(self) -> None:
         """CheckpointExistsError if another save, running now, began this checkpoint id's directory."""
         layout, cid = self.store.layout, self.checkpoint_id
         other = _begun.get((str(layout.job_dir), cid))
-        if other is not None and other is not self:
+        if other is not None and other is not self and other._saving_elsewhere():
             raise CheckpointExistsError(self._being_saved("another save in this process"))
         owner = catalog.saving_process(layout, cid)
         if owner is not None:
@@ -266,6 +274,13 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                 + ". Two runs with the same root and job id share one store: give each run its own job_id "
                 "(MemStore(job_id=...) or DCP_MEMSTORE_JOB_ID)"
             )
+
+    def _saving_elsewhere(self) -> bool:
+        """Whether the save this writer began may still be running on another thread. A save that failed on
+        another rank never tells the coordinator's writer, but the thread that ran it has moved on: it ended
+        (DCP's executor) or it is the one starting a new save (``dcp.save`` in a retry loop)."""
+        thread = self._begun_by
+        return thread is not None and thread.is_alive() and thread is not threading.current_thread()
 
     def _being_saved(self, by: str) -> str:
         return (

@@ -83,11 +83,23 @@ def begin(layout: StoreLayout, checkpoint_id: str) -> Path:
 
 def saving_process(layout: StoreLayout, checkpoint_id: str) -> dict | None:
     """The owner record (pid, host, start time) of the uncommitted save of ``checkpoint_id`` if another
-    process that is still running made it; None if there is none, or it is this process's or a dead one's."""
+    running process made it, one that is not this process's parent or child; None if there is none, or it
+    is a dead process's. DCP's checkpoint process is the trainer's child and lives as long as the job: a
+    directory that one of its saves left when it failed must not keep the trainer from saving that id."""
     owner = _safe_read(layout.checkpoint_dir(checkpoint_id) / INPROGRESS)
     if owner is None or _is_self(owner) or not _owner_alive(owner):
         return None
+    if owner.get("host") == socket.gethostname() and _related(owner.get("pid")):
+        return None
     return owner
+
+
+def _related(pid: object) -> bool:
+    """Whether ``pid`` is this process's parent or one of its children."""
+    try:
+        return pid == os.getppid() or psutil.Process(pid).ppid() == os.getpid()
+    except (psutil.Error, TypeError, ValueError):
+        return False
 
 
 def next_seq(layout: StoreLayout) -> int:

@@ -7,7 +7,6 @@ import pickle
 import re
 import socket
 import subprocess
-import sys
 import threading
 import time
 
@@ -311,22 +310,24 @@ def test_a_second_save_of_an_id_being_saved_in_this_process_is_refused(quick_sto
 def test_a_save_of_an_id_another_running_process_is_saving_is_refused(quick_store):
     """Two runs that share a root and job id: the directory of a save that another live process began is
     left alone; once that process is gone, it is a dead save's leftover and the id can be saved."""
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # not this process's child (DCP's checkpoint process would be): a sleep whose shell exits at once
+    pid = int(subprocess.run(["sh", "-c", "sleep 60 >/dev/null 2>&1 & echo $!"], capture_output=True).stdout)
+    other = psutil.Process(pid)
     try:
+        assert other.ppid() != os.getpid()
         directory = quick_store.layout.checkpoint_dir("x")
         directory.mkdir()
-        proc = psutil.Process(other.pid)
-        owner = {"pid": other.pid, "create_time": proc.create_time(), "host": socket.gethostname()}
+        owner = {"pid": pid, "create_time": other.create_time(), "host": socket.gethostname()}
         write_record(directory / INPROGRESS, {**owner, "started": time.time()})
         (directory / "__0_0.shard").write_bytes(b"other process's data")
         with pytest.raises(BaseException) as ei:  # noqa: B017 - CheckpointException derives from BaseException
             save(quick_store, _state(2), "x")
-        assert f"'x' is being saved right now by process {other.pid}" in str(ei.value), ei.value
+        assert f"'x' is being saved right now by process {pid}" in str(ei.value), ei.value
         assert "its own job_id" in str(ei.value)
         assert (directory / "__0_0.shard").read_bytes() == b"other process's data"
     finally:
         other.kill()
-        other.wait()
+        other.wait(10)
     save(quick_store, _state(2), "x")
     assert_tree_equal(_state(2), load_fresh(quick_store, _state(2), "x"))
 
@@ -350,3 +351,20 @@ def test_space_check_counts_alignment_and_manifest_not_just_tensor_bytes(tmpfs_s
     filler.unlink()
     save(tmpfs_store, many, "many")  # with room, the same save goes through
     assert_tree_equal(many, load_fresh(tmpfs_store, many, "many"))
+
+
+class _FailAfterBegin(DefaultSavePlanner):
+    """Fails the save after the writer began the checkpoint's directory, in DCP's planner: the writer is
+    not told, as a coordinator is not told when another rank fails."""
+
+    def finish_plan(self, new_plan):
+        raise RuntimeError("failed elsewhere")
+
+
+def test_retrying_an_id_whose_save_failed_elsewhere_is_not_refused(quick_store):
+    with pytest.raises(BaseException, match="failed elsewhere") as ei:  # noqa: B017 - CheckpointException
+        save(quick_store, _state(1), "x", planner=_FailAfterBegin())
+    assert quick_store.layout.checkpoint_dir("x").exists()  # the failed attempt's directory
+    save(quick_store, _state(2), "x")  # the same thread, while the failed writer lives on in ``ei``
+    assert_tree_equal(_state(2), load_fresh(quick_store, _state(2), "x"))
+    del ei
