@@ -65,9 +65,14 @@ class MemoryStorageReader(StorageReader):
         self._loaded = False
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        """Aim the next load at ``checkpoint_id`` (``dcp.load`` calls this with its ``checkpoint_id``)."""
+        """Aim the next load at ``checkpoint_id`` (``dcp.load`` calls this with its ``checkpoint_id``, and
+        not at all when that is None). DCP's older entry points (``load_state_dict``,
+        ``load_sharded_optimizer_state_dict``) call it without one: the next load then reads the checkpoint
+        this reader was last aimed at, as a ``FileSystemReader`` reads its path."""
         if checkpoint_id is None:
-            raise ValueError(NEEDS_CHECKPOINT_ID)
+            if self.checkpoint_id is None:
+                raise ValueError(NEEDS_CHECKPOINT_ID)
+            checkpoint_id = self.checkpoint_id
         self.checkpoint_id = validate_name(checkpoint_id)
         self._source = self.store.open_checkpoint(self.checkpoint_id)
         self._storage_data = {}

@@ -368,3 +368,16 @@ def test_retrying_an_id_whose_save_failed_elsewhere_is_not_refused(quick_store):
     save(quick_store, _state(2), "x")  # the same thread, while the failed writer lives on in ``ei``
     assert_tree_equal(_state(2), load_fresh(quick_store, _state(2), "x"))
     del ei
+
+
+def test_dcp_entry_points_that_reset_without_an_id_read_the_checkpoint_the_reader_was_aimed_at(quick_store):
+    """DCP's deprecated load_state_dict (and load_sharded_optimizer_state_dict) call reset() without an id."""
+    save(quick_store, _state(1), "a")
+    save(quick_store, _state(2), "b")
+    with pytest.raises(ValueError, match="needs checkpoint_id="):
+        dcp.load_state_dict(_state(5), storage_reader=MemoryStorageReader(quick_store), no_dist=True)
+    reader = MemoryStorageReader(quick_store)
+    reader.reset("a")
+    dest = _state(5)
+    dcp.load_state_dict(dest, storage_reader=reader, no_dist=True)
+    assert_tree_equal(dest, _state(1))
