@@ -349,12 +349,19 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                 del _begun[key]
 
     def _release_slot(self) -> None:
-        """This save failed: recycle its staging slot, drop its ticket if it never started, and let another
-        save take its id."""
+        """This save failed: recycle its staging slot, drop its ticket if it never started, let another save
+        take its id, and, where no other rank writes into it, discard the directory it began."""
+        layout = self.store.layout
         if self._current is not None:
-            _give_back(self.store.layout, *self._current)
+            _give_back(layout, *self._current)
         self._current = None
         self._armed = False
+        with _begun_lock:
+            began = [cid for (_, cid), w in _begun.items() if w is self]
+        if not _other_ranks_wait():
+            for cid in began:
+                if catalog.read_commit(layout, cid) is None:
+                    catalog.discard(layout, layout.checkpoint_dir(cid))
         self._forget_begun()
 
     @property

@@ -225,10 +225,12 @@ def test_space_error_with_plan_caching_is_clear_and_keeps_previous(tmpfs_store, 
     save(tmpfs_store, states[0], "s0", planner=planner)
     save(tmpfs_store, states[1], "s1", planner=planner)
     expected = snapshot(states[1])
+    before = store_tree(tmpfs_store)
     with pytest.raises(CheckpointException) as ei:
         save(tmpfs_store, states[2], "s2", planner=planner)
     msg = str(ei.value)
     assert "InsufficientSpaceError" in msg and "bytes needed" in msg and "bytes free" in msg
+    assert store_tree(tmpfs_store) == before  # not even the directory the failed save began
     assert tmpfs_store.list_checkpoints() == ["s0", "s1"]
     assert_tree_equal(expected, load_fresh(tmpfs_store, expected, "s1"))
     tmpfs_store.delete("s0")  # make room; the failed id can be saved now
