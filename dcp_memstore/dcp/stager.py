@@ -91,10 +91,7 @@ class Stager:
             pool = FilePool(self.store.layout, rank)
             self.store.check_space(sum(file_sizes), rank)
             ticket = self.order.issue()
-            slot = self.store.layout.staging_dir / slot_name(
-                rank, os.getpid(), ticket.seq, uuid.uuid4().hex[:8]
-            )
-            ticket.slot = str(slot)
+            slot = self._slot_for(rank, ticket)
             try:
                 slot.mkdir(parents=True)
                 claim_owner(slot)
@@ -136,6 +133,26 @@ class Stager:
                         str(root), sum(file_sizes), free_bytes(root), "while staging"
                     ) from e
                 raise
+
+    def hold_place(self) -> Ticket:
+        """A ticket with an empty staging slot, for a save whose staging failed here but whose background
+        save still runs (to fail on every rank, see the writer): later saves wait for it as for any other.
+        Without room even for the slot, the ticket alone keeps its place in the order."""
+        ticket = self.order.issue()
+        slot = self._slot_for(current_rank(), ticket)
+        try:
+            slot.mkdir(parents=True)
+            claim_owner(slot)
+        except OSError:
+            recycle(self.store.layout, slot)
+            ticket.slot = None
+        return ticket
+
+    def _slot_for(self, rank: int, ticket: Ticket) -> Path:
+        """The staging slot of ``ticket`` (not made yet), named for ``clear_abandoned``; set on the ticket."""
+        slot = self.store.layout.staging_dir / slot_name(rank, os.getpid(), ticket.seq, uuid.uuid4().hex[:8])
+        ticket.slot = str(slot)
+        return slot
 
     def _copy(
         self, src: list[torch.Tensor], dst: list[torch.Tensor], placements: list, files: list[MappedFile]

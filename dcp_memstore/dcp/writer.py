@@ -12,6 +12,7 @@ import errno
 import functools
 import logging
 import os
+import sys
 import threading
 import time
 import uuid
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch.distributed as dist
+from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.staging import AsyncStager
@@ -52,6 +54,7 @@ log = logging.getLogger(__name__)
 # tell a save running now from an earlier failed attempt; an entry goes with its writer.
 _begun: weakref.WeakValueDictionary[tuple[str, str], MemoryStorageWriter] = weakref.WeakValueDictionary()
 _begun_lock = threading.Lock()
+_DCP_SAVE_FILE = state_dict_saver.__file__  # dcp.save and async_save's background save run in there
 
 
 def _releases_slot_on_error(method: F) -> F:
@@ -110,9 +113,13 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                 f"torch.multiprocessing's sharing strategy is {get_sharing_strategy()!r}. Call "
                 "torch.multiprocessing.set_sharing_strategy('file_descriptor') or use the THREAD executor."
             )
-        for seq, _, _ in self._pending:
-            self._order.wait_sent_in_order(seq, self.store.stage_timeout_s)
-            self._order.bind(seq)  # bound to DCP's executor thread that sends this save
+        try:
+            for seq, _, _ in self._pending:
+                self._order.wait_sent_in_order(seq, self.store.stage_timeout_s)
+                self._order.bind(seq)  # bound to DCP's executor thread that sends this save
+        except BaseException:
+            _abandon_pending(self.store.layout, self._pending)  # these saves will never run
+            raise
         state = dict(self.__dict__)
         state["_pending"] = deque(self._pending)
         state.pop("_abandon", None)
@@ -141,7 +148,8 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             # saves would wait for it until the process group times out: it fails when planning, on every
             # rank at once (and this rank's future says why).
             log.warning("staging failed on this rank; the save will fail on every rank: %s", e)
-            self._pending.append((self._order.issue().seq, None, here))  # in order with the other saves
+            ticket = Stager.of(self.store).hold_place()  # later saves wait for it, as on the other ranks
+            self._pending.append((ticket.seq, ticket.slot, here))
             self._stage_error = (e, here)
             return {}
         if self._pending or self._stage_error is not None:  # an earlier save staged here has not started
@@ -172,17 +180,21 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         pending = self._pending.popleft() if self._pending and self._pending[0][2] != here else None
         ticket = pending[:2] if pending else None
         try:
-            self.store.check_open()
-            cid = None if checkpoint_id is None else validate_name(checkpoint_id)
+            try:
+                self.store.check_open()
+                cid = None if checkpoint_id is None else validate_name(checkpoint_id)
+            except Exception as e:
+                if not _other_ranks_wait():
+                    raise
+                # DCP calls this before its collectives: fail the save when it plans, on every rank at once
+                # (see stage), once it is its turn (never in collectives while an earlier save is in its)
+                failed, cid = failed or e, None
             # Wait for earlier saves of this job in this process before touching any per-save state.
             self._order.begin(ticket[0] if ticket else None, self.store.stage_timeout_s)
-        except BaseException as e:
+        except BaseException:
             self._current = ticket
             self._release_slot()
-            if not (isinstance(e, Exception) and _other_ranks_wait()):
-                raise
-            # DCP calls this before its collectives: fail the save when planning, on every rank (see stage)
-            failed, ticket, cid = failed or e, None, None
+            raise
         self._forget_begun()  # its previous save, if it failed before committing
         self._current, self.checkpoint_id, self._armed = ticket, cid, True
         self._deferred_error = failed
@@ -276,11 +288,18 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             )
 
     def _saving_elsewhere(self) -> bool:
-        """Whether the save this writer began may still be running on another thread. A save that failed on
-        another rank never tells the coordinator's writer, but the thread that ran it has moved on: it ended
-        (DCP's executor) or it is the one starting a new save (``dcp.save`` in a retry loop)."""
+        """Whether the save this writer began is still running on another thread: that thread is inside
+        DCP's save now. A save that failed on another rank never tells the coordinator's writer, but its
+        thread has left DCP's save since (or ended, or is the one starting the new save)."""
         thread = self._begun_by
-        return thread is not None and thread.is_alive() and thread is not threading.current_thread()
+        if thread is None or thread is threading.current_thread() or not thread.is_alive():
+            return False
+        frame = sys._current_frames().get(thread.ident)
+        while frame is not None:
+            if frame.f_code.co_filename == _DCP_SAVE_FILE:
+                return True
+            frame = frame.f_back
+        return False
 
     def _being_saved(self, by: str) -> str:
         return (

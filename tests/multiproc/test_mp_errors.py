@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from mp_harness import assert_bit_equal, make_tensor
+from torch.distributed.checkpoint import DefaultSavePlanner
 
 from dcp_memstore import MemoryStorageReader, MemoryStorageWriter, MemStore
 
@@ -70,3 +71,43 @@ def test_a_staging_failure_on_one_rank_fails_the_save_on_every_rank_at_once(mp, 
     for rank, r in enumerate(mp.run(stage_fails_on_rank_1, 2, str(small_tmpfs))):
         assert "not enough space" in r["error"] and "bytes needed" in r["error"], (rank, r)
         assert r["waited"] < 30, (rank, r)  # not a collective timing out
+
+
+class _SlowOnRank1(DefaultSavePlanner):
+    """Holds rank 1's save for a while inside DCP's collectives (between planning and writing)."""
+
+    def finish_plan(self, new_plan):
+        if dist.get_rank() == 1:
+            time.sleep(6)
+        return super().finish_plan(new_plan)
+
+
+def save_waiting_too_long(rank: int, world: int, root: str) -> dict:
+    """Two async saves in flight; the second gives up waiting for the first (stage_timeout_s=2). It must
+    fail on its own, without entering DCP's collectives while the first is still in them."""
+    store = MemStore(root, "job", max_in_flight=2, stage_timeout_s=2)
+    first = {f"rank{rank}": make_tensor(20 + rank, (1000,), torch.float32)}
+    f0 = dcp.async_save(
+        first, checkpoint_id="a0", storage_writer=MemoryStorageWriter(store), planner=_SlowOnRank1()
+    )
+    time.sleep(0.5)
+    f1 = dcp.async_save(first, checkpoint_id="a1", storage_writer=MemoryStorageWriter(store))
+    try:
+        f1.result(timeout=60)
+        second = "saved"
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException derives from BaseException
+        second = f"{type(e).__name__}: {e}"
+    f0.result(timeout=60)
+    out = {f"rank{rank}": torch.zeros(1000)}
+    dcp.load(out, checkpoint_id="a0", storage_reader=MemoryStorageReader(store))
+    assert_bit_equal(out, first, f"rank {rank}")
+    dist.barrier()  # the process group still works
+    listed = store.list_checkpoints()
+    store.close()
+    return {"second": second, "listed": listed}
+
+
+def test_a_save_that_waits_too_long_for_the_one_before_fails_alone(mp) -> None:
+    for rank, r in enumerate(mp.run(save_waiting_too_long, 2, str(mp.root))):
+        assert "waited" in r["second"] and "StagingTimeoutError" in r["second"], (rank, r)
+        assert r["listed"] == ["a0"], (rank, r)
