@@ -293,6 +293,7 @@ class MemStore(ReplicatingStore):
     def open_checkpoint(self, checkpoint_id: str) -> CheckpointSource:
         """Where committed checkpoint ``checkpoint_id`` can be read from; FileNotFoundError naming the
         checkpoints that exist (in memory and persisted) if it is in no tier."""
+        self.check_open()
         cid = validate_name(checkpoint_id)
         tiers = {
             "_find_remote": functools.partial(self._remote, cid),

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_memstore import MemoryStorageWriter, MemStore
+from dcp_memstore import MemoryStorageReader, MemoryStorageWriter, MemStore
 from dcp_memstore.store import catalog
 from dcp_memstore.store.layout import INPROGRESS, shard_name
 from dcp_memstore.store.records import write_record
@@ -135,18 +135,22 @@ def test_a_new_store_clears_leftovers_of_dead_saves(shm_dir):
 
 
 def test_closed_store_refuses_queries_and_close_is_idempotent(store):
+    state = {"w": torch.ones(8)}
     with store as s:
         assert s.list_checkpoints() == []
+        dcp.save(state, checkpoint_id="early", storage_writer=MemoryStorageWriter(store), no_dist=True)
     with pytest.raises(RuntimeError, match="is closed"):
         store.list_checkpoints()
     with pytest.raises(RuntimeError, match="is closed"):
         store.latest_checkpoint()
-    state = {"w": torch.ones(8)}
     with pytest.raises(BaseException, match="is closed"):  # CheckpointException derives from BaseException
         dcp.save(state, checkpoint_id="late", storage_writer=MemoryStorageWriter(store), no_dist=True)
     with pytest.raises(RuntimeError, match="is closed; make a new MemStore"):
         dcp.async_save(state, checkpoint_id="late", storage_writer=MemoryStorageWriter(store), no_dist=True)
-    assert catalog.committed(store.layout) == [] and not any(store.layout.staging_dir.iterdir())
+    with pytest.raises(RuntimeError, match="is closed"):
+        dcp.load(state, checkpoint_id="early", storage_reader=MemoryStorageReader(store), no_dist=True)
+    assert [r.checkpoint_id for r in catalog.committed(store.layout)] == ["early"]
+    assert not any(store.layout.staging_dir.iterdir())
     store.close()
 
 

@@ -34,6 +34,7 @@ from dcp_memstore.store.checksum import (
     memory_view,
     read_with_checksum,
 )
+from dcp_memstore.store.collective import other_ranks_wait
 from dcp_memstore.store.ids import is_valid_name, validate_name
 from dcp_memstore.store.layout import MANIFEST
 from dcp_memstore.store.manifest import Manifest, ShardLocation
@@ -63,20 +64,27 @@ class MemoryStorageReader(StorageReader):
         self._source: CheckpointSource | None = None
         self._storage_data: dict[MetadataIndex, ShardLocation] = {}
         self._loaded = False
+        self._deferred_error: Exception | None = None  # of reset(), raised where every rank plans the load
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         """Aim the next load at ``checkpoint_id`` (``dcp.load`` calls this with its ``checkpoint_id``, and
         not at all when that is None). DCP's older entry points (``load_state_dict``,
         ``load_sharded_optimizer_state_dict``) call it without one: the next load then reads the checkpoint
         this reader was last aimed at, as a ``FileSystemReader`` reads its path."""
-        if checkpoint_id is None:
-            if self.checkpoint_id is None:
-                raise ValueError(NEEDS_CHECKPOINT_ID)
-            checkpoint_id = self.checkpoint_id
-        self.checkpoint_id = validate_name(checkpoint_id)
-        self._source = self.store.open_checkpoint(self.checkpoint_id)
-        self._storage_data = {}
-        self._loaded = False
+        self._storage_data, self._loaded, self._deferred_error = {}, False, None
+        try:
+            if checkpoint_id is None:
+                if self.checkpoint_id is None:
+                    raise ValueError(NEEDS_CHECKPOINT_ID)
+                checkpoint_id = self.checkpoint_id
+            self.checkpoint_id = validate_name(checkpoint_id)
+            self._source = self.store.open_checkpoint(self.checkpoint_id)
+        except Exception as e:
+            if not other_ranks_wait():
+                raise
+            # dcp.load calls this before its collectives; a rank that raised here would leave the others
+            # waiting in them: the load fails in read_metadata (a collective step), on every rank at once
+            self._source, self._deferred_error = None, e
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -89,6 +97,8 @@ class MemoryStorageReader(StorageReader):
             raise ValueError(
                 "MemoryStorageReader has no rank-local metadata; the checkpoint's could not be read"
             )
+        if self._deferred_error is not None:
+            raise self._deferred_error
         src = self._source
         if src is None or self._loaded:
             # dcp.load skips reset() when checkpoint_id is None: never load a checkpoint it did not name

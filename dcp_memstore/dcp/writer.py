@@ -22,7 +22,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch.distributed as dist
 from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
@@ -39,6 +38,7 @@ from dcp_memstore.errors import CheckpointExistsError, InsufficientSpaceError
 from dcp_memstore.memstore import MemStore
 from dcp_memstore.store import catalog
 from dcp_memstore.store.catalog import CommitRecord
+from dcp_memstore.store.collective import other_ranks_wait
 from dcp_memstore.store.faults import crash_point
 from dcp_memstore.store.ids import is_valid_name, validate_name
 from dcp_memstore.store.layout import MANIFEST, StoreLayout, parse_slot
@@ -142,7 +142,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             self.store.check_open()
             staged, ticket = Stager.of(self.store).stage(state_dict)
         except Exception as e:
-            if not _other_ranks_wait() or self._pending or self._stage_error is not None:
+            if not other_ranks_wait() or self._pending or self._stage_error is not None:
                 raise
             # This rank's background save still has to take part in DCP's collectives, or the other ranks'
             # saves would wait for it until the process group times out: it fails when planning, on every
@@ -184,7 +184,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                 self.store.check_open()
                 cid = None if checkpoint_id is None else validate_name(checkpoint_id)
             except Exception as e:
-                if not _other_ranks_wait():
+                if not other_ranks_wait():
                     raise
                 # DCP calls this before its collectives: fail the save when it plans, on every rank at once
                 # (see stage), once it is its turn (never in collectives while an earlier save is in its)
@@ -377,7 +377,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         self._armed = False
         with _begun_lock:
             began = [cid for (_, cid), w in _begun.items() if w is self]
-        if not _other_ranks_wait():
+        if not other_ranks_wait():
             for cid in began:
                 if catalog.read_commit(layout, cid) is None:
                     catalog.discard(layout, layout.checkpoint_dir(cid))
@@ -386,11 +386,6 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
     @property
     def _order(self) -> SaveOrder:
         return SaveOrder.of(str(self.store.layout.job_dir))
-
-
-def _other_ranks_wait() -> bool:
-    """Whether a save here is one of several ranks' (a failure before DCP's collectives would hang them)."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _give_back(layout: StoreLayout, seq: int, slot: str | None) -> None:

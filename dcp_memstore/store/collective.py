@@ -15,6 +15,12 @@ def dist_active() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def other_ranks_wait() -> bool:
+    """Whether this process is one of several ranks: an error it raises before DCP's first collective of
+    a save or load would leave the others waiting in that collective until the group times out."""
+    return dist_active() and dist.get_world_size() > 1
+
+
 def _device(group: Any) -> torch.device:
     return (
         torch.device("cuda", torch.cuda.current_device())

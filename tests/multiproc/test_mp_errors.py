@@ -111,3 +111,31 @@ def test_a_save_that_waits_too_long_for_the_one_before_fails_alone(mp) -> None:
     for rank, r in enumerate(mp.run(save_waiting_too_long, 2, str(mp.root))):
         assert "waited" in r["second"] and "StagingTimeoutError" in r["second"], (rank, r)
         assert r["listed"] == ["a0"], (rank, r)
+
+
+def load_missing_on_rank_1(rank: int, world: int, root: str) -> dict:
+    """Rank 1 asks for a checkpoint that does not exist (rank 0 for one that does): both must fail at once
+    with rank 1's reason, and the group must still work."""
+    store = MemStore(root, "job")
+    state = {f"rank{rank}": make_tensor(30 + rank, (100,), torch.float32)}
+    dcp.save(state, checkpoint_id="c", storage_writer=MemoryStorageWriter(store))
+    t0 = time.monotonic()
+    try:
+        dcp.load(
+            {f"rank{rank}": torch.zeros(100)},
+            checkpoint_id="c" if rank == 0 else "nope",
+            storage_reader=MemoryStorageReader(store),
+        )
+        error = "loaded"
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException derives from BaseException
+        error = f"{type(e).__name__}: {e}"
+    waited = time.monotonic() - t0
+    dist.barrier()
+    store.close()
+    return {"error": error, "waited": waited}
+
+
+def test_a_load_that_fails_on_one_rank_before_dcp_plans_fails_on_every_rank_at_once(mp) -> None:
+    for rank, r in enumerate(mp.run(load_missing_on_rank_1, 2, str(mp.root))):
+        assert "checkpoint 'nope' not found" in r["error"] and "committed checkpoints: ['c']" in r["error"], r
+        assert r["waited"] < 30, (rank, r)
