@@ -17,6 +17,15 @@ from dcp_memstore import MemoryStorageReader, MemoryStorageWriter, MemStore
 pytestmark = pytest.mark.slow
 
 
+def outcome(call) -> str:
+    """``ok``, or the exception ``call`` raised as "Type: message" (DCP's CheckpointException included)."""
+    try:
+        call()
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException derives from BaseException
+        return f"{type(e).__name__}: {e}"
+    return "ok"
+
+
 def load_corrupt(rank: int, world: int, root: str) -> str:
     """Save on every rank, flip the first byte of rank 1's shard files, load: what every rank raises."""
     store = MemStore(root, "job")
@@ -30,13 +39,8 @@ def load_corrupt(rank: int, world: int, root: str) -> str:
                 f.seek(0)
                 f.write(bytes([first[0] ^ 0xFF]))
     dist.barrier()
-    try:
-        dcp.load(
-            {f"rank{rank}": torch.zeros(64, 64)}, checkpoint_id="c", storage_reader=MemoryStorageReader(store)
-        )
-    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException derives from BaseException
-        return f"{type(e).__name__}: {e}"
-    return "loaded"
+    dest = {f"rank{rank}": torch.zeros(64, 64)}
+    return outcome(lambda: dcp.load(dest, checkpoint_id="c", storage_reader=MemoryStorageReader(store)))
 
 
 def test_a_checksum_mismatch_on_one_rank_reaches_every_rank_with_its_message(mp) -> None:
@@ -52,11 +56,7 @@ def stage_fails_on_rank_1(rank: int, world: int, root: str) -> dict:
     big = {f"rank{rank}": make_tensor(rank, ((1 if rank == 0 else 4) << 20,), torch.float32)}
     t0 = time.monotonic()
     fut = dcp.async_save(big, checkpoint_id="too-big", storage_writer=MemoryStorageWriter(store))
-    try:
-        fut.result(timeout=60)
-        error = "saved"
-    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException derives from BaseException
-        error = f"{type(e).__name__}: {e}"
+    error = outcome(lambda: fut.result(timeout=60))
     waited = time.monotonic() - t0
     small = {f"rank{rank}": make_tensor(10 + rank, (1000,), torch.float32)}
     dcp.async_save(small, checkpoint_id="ok", storage_writer=MemoryStorageWriter(store)).result(timeout=60)
@@ -92,11 +92,7 @@ def save_waiting_too_long(rank: int, world: int, root: str) -> dict:
     )
     time.sleep(0.5)
     f1 = dcp.async_save(first, checkpoint_id="a1", storage_writer=MemoryStorageWriter(store))
-    try:
-        f1.result(timeout=60)
-        second = "saved"
-    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException derives from BaseException
-        second = f"{type(e).__name__}: {e}"
+    second = outcome(lambda: f1.result(timeout=60))
     f0.result(timeout=60)
     out = {f"rank{rank}": torch.zeros(1000)}
     dcp.load(out, checkpoint_id="a0", storage_reader=MemoryStorageReader(store))
@@ -120,15 +116,12 @@ def load_missing_on_rank_1(rank: int, world: int, root: str) -> dict:
     state = {f"rank{rank}": make_tensor(30 + rank, (100,), torch.float32)}
     dcp.save(state, checkpoint_id="c", storage_writer=MemoryStorageWriter(store))
     t0 = time.monotonic()
-    try:
-        dcp.load(
-            {f"rank{rank}": torch.zeros(100)},
-            checkpoint_id="c" if rank == 0 else "nope",
-            storage_reader=MemoryStorageReader(store),
+    cid = "c" if rank == 0 else "nope"
+    error = outcome(
+        lambda: dcp.load(
+            {f"rank{rank}": torch.zeros(100)}, checkpoint_id=cid, storage_reader=MemoryStorageReader(store)
         )
-        error = "loaded"
-    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException derives from BaseException
-        error = f"{type(e).__name__}: {e}"
+    )
     waited = time.monotonic() - t0
     dist.barrier()
     store.close()
