@@ -381,10 +381,14 @@ def test_dcp_entry_points_that_reset_without_an_id_read_the_checkpoint_the_reade
     """DCP's deprecated load_state_dict (and load_sharded_optimizer_state_dict) call reset() without an id."""
     save(quick_store, _state(1), "a")
     save(quick_store, _state(2), "b")
-    with pytest.raises(ValueError, match="needs checkpoint_id="):
+    with (
+        pytest.raises(ValueError, match="needs checkpoint_id="),
+        pytest.warns(FutureWarning, match="deprecated"),
+    ):
         dcp.load_state_dict(_state(5), storage_reader=MemoryStorageReader(quick_store), no_dist=True)
     reader = MemoryStorageReader(quick_store)
     reader.reset("a")
     dest = _state(5)
-    dcp.load_state_dict(dest, storage_reader=reader, no_dist=True)
+    with pytest.warns(FutureWarning, match="deprecated"):
+        dcp.load_state_dict(dest, storage_reader=reader, no_dist=True)
     assert_tree_equal(dest, _state(1))
