@@ -12,7 +12,6 @@ in the background (``store/reserve.py``), so that only the first save pays for n
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import threading
@@ -25,7 +24,7 @@ import torch
 
 from dcp_memstore.dcp import state_tree
 from dcp_memstore.dcp.save_order import SaveOrder, Ticket, never_started_hint, wait_while
-from dcp_memstore.errors import InsufficientSpaceError, StagingTimeoutError
+from dcp_memstore.errors import StagingTimeoutError
 from dcp_memstore.memstore import MemStore
 from dcp_memstore.store.catalog import claim_owner, committed, recycle
 from dcp_memstore.store.device_copy import DeviceToHost
@@ -35,7 +34,7 @@ from dcp_memstore.store.mapping import MAPPINGS, MappedFile
 from dcp_memstore.store.packing import pack
 from dcp_memstore.store.pool import FilePool
 from dcp_memstore.store.reserve import Reservation
-from dcp_memstore.store.space import free_bytes
+from dcp_memstore.store.space import space_errors
 from dcp_memstore.store.threads import run_parallel
 
 log = logging.getLogger(__name__)
@@ -93,8 +92,9 @@ class Stager:
             ticket = self.order.issue()
             slot = self._slot_for(rank, ticket)
             try:
-                slot.mkdir(parents=True)
-                claim_owner(slot)
+                with space_errors(self.store.layout.root, sum(file_sizes), "while staging"):
+                    slot.mkdir(parents=True)  # a tmpfs full before the files were allocated
+                    claim_owner(slot)
                 files = run_parallel(  # a new file's page faults are taken in parallel
                     lambda b: pool.acquire(slot / shard_name(rank, b), file_sizes[b]),
                     range(len(file_sizes)),
@@ -118,20 +118,9 @@ class Stager:
                     return v.requires_grad_(True) if t.requires_grad and v.is_floating_point() else v
 
                 return state_tree.rebuild(state_dict, replace), ticket
-            except BaseException as e:
+            except BaseException:
                 self.order.cancel(ticket.seq)
                 recycle(self.store.layout, slot)
-                if (
-                    isinstance(e, OSError)
-                    and e.errno == errno.ENOSPC
-                    and not isinstance(e, InsufficientSpaceError)
-                ):
-                    root = (
-                        self.store.layout.root
-                    )  # full before the files were allocated (the slot, its records)
-                    raise InsufficientSpaceError(
-                        str(root), sum(file_sizes), free_bytes(root), "while staging"
-                    ) from e
                 raise
 
     def hold_place(self) -> Ticket:

@@ -8,7 +8,6 @@ marker, then evicts checkpoints beyond ``keep_in_memory``. A failed step gives i
 
 from __future__ import annotations
 
-import errno
 import functools
 import logging
 import os
@@ -34,7 +33,7 @@ from dcp_memstore.dcp.metadata_codec import encode_metadata
 from dcp_memstore.dcp.rank_write import RankWrite
 from dcp_memstore.dcp.save_order import SaveOrder
 from dcp_memstore.dcp.stager import Stager, current_rank
-from dcp_memstore.errors import CheckpointExistsError, InsufficientSpaceError
+from dcp_memstore.errors import CheckpointExistsError
 from dcp_memstore.memstore import MemStore
 from dcp_memstore.store import catalog
 from dcp_memstore.store.catalog import CommitRecord
@@ -46,7 +45,7 @@ from dcp_memstore.store.manifest import Manifest, ManifestItem, manifest_bytes_e
 from dcp_memstore.store.mapping import MAPPINGS
 from dcp_memstore.store.packing import packed_bytes
 from dcp_memstore.store.records import write_atomic
-from dcp_memstore.store.space import free_bytes
+from dcp_memstore.store.space import space_errors
 
 F = TypeVar("F", bound=Callable[..., Any])
 log = logging.getLogger(__name__)
@@ -335,14 +334,8 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         directory = layout.checkpoint_dir(self.checkpoint_id)
         encoded = manifest.encode()
         try:
-            try:
+            with space_errors(layout.root, len(encoded), "for the manifest"):
                 write_atomic(directory / MANIFEST, encoded)
-            except OSError as e:
-                if e.errno != errno.ENOSPC:
-                    raise
-                raise InsufficientSpaceError(
-                    str(layout.root), len(encoded), free_bytes(layout.root), "for the manifest"
-                ) from e
             crash_point("before-commit", self.rank)
             record = CommitRecord(self.checkpoint_id, catalog.next_seq(layout), time.time(), manifest.nbytes)
             # other nodes: prepared (invisible) first, committed only after this node commits

@@ -7,8 +7,10 @@ system and the machine's memory can still give before anything is written.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -91,6 +93,20 @@ def check_space(path: Path, needed: int, reusable: int = 0) -> None:
         raise InsufficientSpaceError(str(path), needed, free + reusable, detail)
 
 
+@contextlib.contextmanager
+def space_errors(path: Path, needed: int, detail: str = "") -> Iterator[None]:
+    """Turn a full file system or memory (ENOSPC, ENOMEM, EDQUOT) inside the block into an
+    InsufficientSpaceError about ``path`` that says ``needed`` bytes were wanted; other errors pass."""
+    try:
+        yield
+    except InsufficientSpaceError:
+        raise
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EDQUOT):
+            raise
+        raise InsufficientSpaceError(str(path), needed, free_bytes(path), detail) from e
+
+
 def allocate_file(path: Path, size: int) -> int:
     """Create (or grow) ``path`` to ``size`` bytes with every block allocated; return an O_RDWR fd.
 
@@ -99,20 +115,19 @@ def allocate_file(path: Path, size: int) -> int:
     """
     existed = path.exists()
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        old = os.fstat(fd).st_size
-        if size > old:
-            os.posix_fallocate(fd, 0, size)
-        elif size < old:
-            os.ftruncate(fd, size)
-        return fd
-    except OSError as e:
-        os.close(fd)
-        if not existed:
-            path.unlink(missing_ok=True)
-        else:
-            with open(path, "r+b") as f:
-                f.truncate(old)
-        if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EDQUOT):
-            raise InsufficientSpaceError(str(path.parent), size, free_bytes(path.parent)) from e
-        raise
+    with space_errors(path.parent, size):
+        try:
+            old = os.fstat(fd).st_size
+            if size > old:
+                os.posix_fallocate(fd, 0, size)
+            elif size < old:
+                os.ftruncate(fd, size)
+            return fd
+        except OSError:
+            os.close(fd)
+            if not existed:
+                path.unlink(missing_ok=True)
+            else:
+                with open(path, "r+b") as f:
+                    f.truncate(old)
+            raise
