@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_memstore.dcp.metadata_codec import dtype_name
 from dcp_memstore.dcp.stager import Stager
+from dcp_memstore.dcp.state_tree import check_tensor
 from dcp_memstore.memstore import MemStore
 from dcp_memstore.store import catalog
 from dcp_memstore.store.checksum import (
@@ -76,7 +77,10 @@ class RankWrite:
                 buf = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
                 objects.append((item, buf))
                 continue
+            check_tensor(item.index.fqn, data)
             t = data.detach().resolve_conj().resolve_neg()  # raw bytes must hold the values, not lazy bits
+            if t.device.type not in ("cpu", "cuda"):
+                t = t.cpu()  # written from host memory (pwrite, or memcpy into the mapping)
             mf = MAPPINGS.find(t)
             mf = mf if mf is not None and mf.key in self.slot_files else None
             off = mf.contains(t) if mf is not None else None

@@ -46,11 +46,6 @@ def current_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def stageable(t: torch.Tensor) -> bool:
-    """Dense strided CPU or CUDA tensors are staged into shard files; anything else is copied by DCP."""
-    return t.layout == torch.strided and t.device.type in ("cpu", "cuda") and not t.is_quantized
-
-
 class Stager:
     """Stages state dicts of one job in this process (shared by every writer of the job)."""
 
@@ -79,12 +74,13 @@ class Stager:
 
     def stage(self, state_dict: dict[str, Any]) -> tuple[dict[str, Any], Ticket]:
         """Copy ``state_dict``'s tensors into a new staging slot; return the staged state dict and its ticket."""
+        state_tree.check_storable(state_dict)
         with self._lock:
             rank = current_rank()
             self._wait_for_room()
             self.wait_reserved(stop=True)  # after the wait: it had that time too
             MAPPINGS.prune()
-            originals = [t for t in state_tree.tensors(state_dict) if stageable(t)]
+            originals = state_tree.tensors(state_dict)
             sizes = [t.numel() * t.element_size() for t in originals]
             placements, file_sizes = pack(sizes, self.store.io_threads)
             pool = FilePool(self.store.layout, rank)
@@ -112,9 +108,7 @@ class Stager:
                 by_id = {id(t): v for t, v in zip(originals, views, strict=True)}
 
                 def replace(t: torch.Tensor) -> torch.Tensor:
-                    v = by_id.get(id(t))
-                    if v is None:
-                        return t.detach().clone() if t.device.type == "cpu" else t.detach().cpu()
+                    v = by_id[id(t)]
                     return v.requires_grad_(True) if t.requires_grad and v.is_floating_point() else v
 
                 return state_tree.rebuild(state_dict, replace), ticket
@@ -146,7 +140,8 @@ class Stager:
     def _copy(
         self, src: list[torch.Tensor], dst: list[torch.Tensor], placements: list, files: list[MappedFile]
     ) -> None:
-        """GPU tensors by DMA (side stream), CPU tensors by memcpy with one thread per file; returns when done."""
+        """GPU tensors by DMA (side stream), the others (CPU, or any other device) by ``copy_`` with one thread
+        per file; returns when done."""
         gpu = [
             (src[i], dst[i], files[placements[i].bin]) for i, t in enumerate(src) if t.device.type == "cuda"
         ]
@@ -156,7 +151,7 @@ class Stager:
             self._d2h.copy(gpu)
         by_bin: dict[int, list[int]] = {}
         for i, t in enumerate(src):
-            if t.device.type == "cpu":
+            if t.device.type != "cuda":
                 by_bin.setdefault(placements[i].bin, []).append(i)
 
         def copy_bin(idx: list[int]) -> None:

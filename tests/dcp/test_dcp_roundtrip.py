@@ -86,6 +86,21 @@ def _odd_tensors() -> dict:
         "u8": torch.randint(0, 256, (3, 5), generator=g, dtype=torch.uint8),
         "bool": torch.rand(21, generator=g) > 0.5,
         "c64": torch.randn(7, generator=g, dtype=torch.complex64),
+        "c128": torch.randn(3, generator=g, dtype=torch.complex128),
+        "i16": torch.randint(-(1 << 15), 1 << 15, (11,), generator=g, dtype=torch.int16),
+        "i32": torch.randint(-(1 << 31), 1 << 31, (11,), generator=g, dtype=torch.int32),
+        **{  # every bit pattern of these byte-sized and unsigned types, NaN payloads included
+            str(dt).removeprefix("torch."): torch.arange(256, dtype=torch.uint8).repeat(dt.itemsize).view(dt)
+            for dt in (
+                torch.float8_e4m3fn,
+                torch.float8_e5m2,
+                torch.float8_e8m0fnu,
+                torch.float4_e2m1fn_x2,
+                torch.uint16,
+                torch.uint32,
+                torch.uint64,
+            )
+        },
         "special": special,
         "special_bf16": special.to(torch.bfloat16),
         "scalar_f": torch.tensor(3.25),
