@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 import io
+import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -36,6 +38,8 @@ from dcp_memstore.store.pool import FilePool, round_up
 from dcp_memstore.store.records import write_atomic
 from dcp_memstore.store.threads import run_parallel
 
+log = logging.getLogger(__name__)
+
 
 class RankWrite:
     """One rank's ``write_data``: place, copy, checksum, and name this rank's files of the checkpoint."""
@@ -61,6 +65,7 @@ class RankWrite:
         self.slot = slot
         self.plan, self.planner = plan, planner
         self.results: list[WriteResult] = []
+        self.claimed: list[bool] = []  # per file copied into: whether it was reused (else new)
         self.slot_files: dict[tuple[int, int], str] = {}  # identity -> path of this save's staged files
         if self.slot is not None:
             for e in os.scandir(self.slot):
@@ -68,6 +73,7 @@ class RankWrite:
                 self.slot_files[(st.st_dev, st.st_ino)] = e.path
 
     def run(self) -> list[WriteResult]:
+        started = time.perf_counter()
         staged: dict[int, tuple[MappedFile, list[tuple[WriteItem, int, torch.Tensor]]]] = {}
         to_copy: list[tuple[WriteItem, torch.Tensor]] = []
         objects: list[tuple[WriteItem, memoryview]] = []
@@ -118,6 +124,18 @@ class RankWrite:
             os.rename(self.slot_files[mf.key], self.dir / names[key])
         if self.slot is not None:
             catalog.recycle(self.store.layout, Path(self.slot))  # files this rank's plan did not need
+        log.debug(
+            "rank %d wrote checkpoint %r: %d items, %.3f GiB in %.3f s; shard files: %d staged by async_save, "
+            "%d reused, %d new",
+            self.rank,
+            self.checkpoint_id,
+            len(self.results),
+            sum(r.size_in_bytes for r in self.results) / (1 << 30),
+            time.perf_counter() - started,
+            len(staged),
+            sum(self.claimed),
+            len(self.claimed) - sum(self.claimed),
+        )
         return self.results
 
     def _committed(self) -> bool:
@@ -155,6 +173,7 @@ class RankWrite:
         pages of a file that may never be reused here. GPU tensors always go through the (pinned) mapping."""
         name, size, entries = spec
         fd, reused = FilePool(self.store.layout, self.rank).claim(self.dir / name, size)
+        self.claimed.append(reused)
         on_gpu = any(t.device.type == "cuda" for _, _, t in entries)
         mf = MAPPINGS.map_fd(fd) if reused or on_gpu else None
         if on_gpu:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -69,6 +70,26 @@ def test_steady_state_saves_reuse_the_shard_files_of_evicted_checkpoints(shm_dir
     all_inodes = set().union(*seen.values())
     assert len(all_inodes) <= 2 * store.io_threads  # (keep_in_memory + 1) checkpoints' worth, ever
     assert_tree_equal(_state(5), load_fresh(store, _state(5), "step-5"))
+
+
+@pytest.mark.parametrize("mode", ["save", "async_save"])
+def test_the_debug_log_says_where_each_saves_bytes_went(shm_dir, mode, caplog):
+    """One DEBUG line per rank and save, to tell a slow save that allocated new tmpfs pages from one that
+    reused files or only renamed what async_save staged."""
+    caplog.set_level(logging.DEBUG, logger="dcp_memstore.dcp.rank_write")
+    store = MemStore(root=shm_dir, job_id="job", keep_in_memory=1, io_threads=2)
+    for i in range(3):
+        _do_save(mode, store, _state(i), f"step-{i}")
+    lines = [r.getMessage() for r in caplog.records if r.name == "dcp_memstore.dcp.rank_write"]
+    assert len(lines) == 3
+    nbytes = (64 << 10) * 4 + 1000 * 2
+    assert all(f"{nbytes / (1 << 30):.3f} GiB in" in line for line in lines)
+    assert lines[0].startswith("rank 0 wrote checkpoint 'step-0': 4 items, ")
+    if mode == "save":
+        assert lines[0].endswith("0 staged by async_save, 0 reused, 2 new")
+        assert lines[2].endswith("0 staged by async_save, 2 reused, 0 new")  # step-0's files
+    else:
+        assert all(line.endswith("2 staged by async_save, 0 reused, 0 new") for line in lines)
 
 
 def test_a_reused_larger_file_holds_a_smaller_checkpoint_correctly(shm_dir):
