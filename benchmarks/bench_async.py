@@ -8,8 +8,8 @@ tensors with the same threads, measured just before it. ``--gap`` is the trainin
 process sleeps, as a trainer whose steps run on the GPU leaves the CPU idle): the first saves have the
 next saves' files allocated in the background meanwhile. ``--sync`` times ``dcp.save`` instead (training
 waits for the whole save), which has the next save's files allocated ahead in the same way. ``--log``
-also prints the writer's DEBUG line of each save: the time of the copy into the shard files alone, and
-whether those files were staged, reused or new.
+also prints the DEBUG lines of each save (docs/troubleshooting.md): the time of the copy into the shard
+files alone, and whether those files were staged, reused or new.
 
     python benchmarks/bench_async.py [--size-gib 1] [--tensors 64] [--saves 8] [--gap 0] [--sync] [--log]
 """
@@ -38,11 +38,11 @@ def main() -> None:
     p.add_argument("--saves", type=int, default=8)
     p.add_argument("--gap", type=float, default=0.0, help="seconds of 'training' between saves")
     p.add_argument("--sync", action="store_true", help="time dcp.save instead of dcp.async_save")
-    p.add_argument("--log", action="store_true", help="print the writer's DEBUG line of each save")
+    p.add_argument("--log", action="store_true", help="print the DEBUG lines of each save")
     args = p.parse_args()
     if args.log:
         logging.basicConfig(stream=sys.stdout, format="    %(message)s")
-        logging.getLogger("dcp_memstore.dcp.rank_write").setLevel(logging.DEBUG)
+        logging.getLogger("dcp_memstore.dcp").setLevel(logging.DEBUG)
     warnings.simplefilter("ignore")  # dcp warns that no process group is initialised
     numel = int(args.size_gib * (1 << 30)) // 4 // args.tensors
     sd = {f"t{i}": torch.randn(numel) for i in range(args.tensors)}

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_memstore.dcp.metadata_codec import dtype_name
 from dcp_memstore.dcp.stager import Stager
-from dcp_memstore.dcp.state_tree import check_tensor
+from dcp_memstore.dcp.storable import check_tensor
 from dcp_memstore.memstore import MemStore
 from dcp_memstore.store import catalog
 from dcp_memstore.store.checksum import (

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from dcp_memstore.dcp import state_tree
+from dcp_memstore.dcp import state_tree, storable
 from dcp_memstore.dcp.save_order import SaveOrder, Ticket, never_started_hint, wait_while
 from dcp_memstore.errors import StagingTimeoutError
 from dcp_memstore.memstore import MemStore
@@ -73,14 +74,17 @@ class Stager:
         self._reserve_lock = threading.Lock()  # not _lock: stage() holds that while it swaps reservations
 
     def stage(self, state_dict: dict[str, Any]) -> tuple[dict[str, Any], Ticket]:
-        """Copy ``state_dict``'s tensors into a new staging slot; return the staged state dict and its ticket."""
-        state_tree.check_storable(state_dict)
+        """Copy ``state_dict``'s tensors into a new staging slot; return the staged state dict and its ticket.
+
+        Tensors whose bytes are not their value (``storable.problem``) are cloned instead: DCP pickles them
+        if they sit inside a value it pickles whole, and the write refuses them by name otherwise."""
         with self._lock:
             rank = current_rank()
             self._wait_for_room()
             self.wait_reserved(stop=True)  # after the wait: it had that time too
+            started = time.perf_counter()
             MAPPINGS.prune()
-            originals = state_tree.tensors(state_dict)
+            originals = [t for t in state_tree.tensors(state_dict) if storable.problem(t) is None]
             sizes = [t.numel() * t.element_size() for t in originals]
             placements, file_sizes = pack(sizes, self.store.io_threads)
             pool = FilePool(self.store.layout, rank)
@@ -91,24 +95,38 @@ class Stager:
                 with space_errors(self.store.layout.root, sum(file_sizes), "while staging"):
                     slot.mkdir(parents=True)  # a tmpfs full before the files were allocated
                     claim_owner(slot)
-                files = run_parallel(  # a new file's page faults are taken in parallel
+
+                claimed = run_parallel(  # a new file's page faults are taken in parallel
                     lambda b: pool.acquire(slot / shard_name(rank, b), file_sizes[b]),
                     range(len(file_sizes)),
                     self.store.io_threads,
                     pool="stage",
                 )
+                files = [mf for mf, _ in claimed]
                 views = [
                     files[p.bin].tensor(p.offset, t.dtype, t.shape)
                     for t, p in zip(originals, placements, strict=True)
                 ]
                 self._copy(originals, views, placements, files)
+                reused = sum(r for _, r in claimed)
+                log.debug(
+                    "rank %d staged %d tensors for async_save, %.3f GiB in %.3f s; shard files: %d reused, %d new",
+                    rank,
+                    len(originals),
+                    sum(sizes) / (1 << 30),
+                    time.perf_counter() - started,
+                    reused,
+                    len(claimed) - reused,
+                )
                 gpu = any(t.device.type == "cuda" for t in originals)
                 # every rank has staged once this save's slot is written or given back (after planning)
                 self.reserve_next(rank, file_sizes, gpu, ready=lambda: not slot.exists())
                 by_id = {id(t): v for t, v in zip(originals, views, strict=True)}
 
                 def replace(t: torch.Tensor) -> torch.Tensor:
-                    v = by_id[id(t)]
+                    v = by_id.get(id(t))
+                    if v is None:
+                        return t.detach().cpu() if t.device.type == "cuda" else t.detach().clone()
                     return v.requires_grad_(True) if t.requires_grad and v.is_floating_point() else v
 
                 return state_tree.rebuild(state_dict, replace), ticket

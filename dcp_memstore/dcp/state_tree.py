@@ -2,8 +2,7 @@
 
 ``tensors`` lists them in a fixed order; ``rebuild`` returns the same structure with each of those tensors
 replaced (in the same order) and every other value deep-copied, which is what a stager must hand to DCP:
-a state dict that later training steps cannot change. ``check_storable`` refuses, by name, the tensors
-whose raw bytes do not hold their values (sparse, quantized, meta), before a save copies anything.
+a state dict that later training steps cannot change.
 """
 
 from __future__ import annotations
@@ -17,64 +16,30 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed.tensor import DTensor
 
 
-def _named_children(value: Any, name: str) -> Iterator[tuple[str, Any]]:
-    """The values inside a dict, list or tuple, with the dotted names DCP gives them."""
+def _children(value: Any) -> Iterator[Any]:
     if isinstance(value, dict):
-        items: Any = value.items()
+        yield from value.values()
     elif isinstance(value, list) or (isinstance(value, tuple) and not hasattr(value, "_fields")):
-        # a namedtuple is deep-copied whole by rebuild(), so its tensors are not staged
-        items = enumerate(value)
-    else:
-        return
-    for key, child in items:
-        yield (f"{name}.{key}" if name else str(key)), child
-
-
-def named_tensors(value: Any) -> list[tuple[str, torch.Tensor]]:
-    """Every tensor whose bytes a save stores, with its dotted name, in traversal order."""
-    out: list[tuple[str, torch.Tensor]] = []
-
-    def walk(v: Any, name: str) -> None:
-        if isinstance(v, DTensor):
-            out.append((name, v._local_tensor))  # the very object rebuild() sees, not a fresh view
-        elif isinstance(v, ShardedTensor):
-            out.extend((name, s.tensor) for s in v.local_shards())
-        elif isinstance(v, torch.Tensor):
-            out.append((name, v))
-        else:
-            for child_name, c in _named_children(v, name):
-                walk(c, child_name)
-
-    walk(value, "")
-    return out
+        yield from value  # a namedtuple is deep-copied whole by rebuild(), so its tensors are not staged
 
 
 def tensors(value: Any) -> list[torch.Tensor]:
     """Every tensor whose bytes a save stores, in traversal order."""
-    return [t for _, t in named_tensors(value)]
+    out: list[torch.Tensor] = []
 
+    def walk(v: Any) -> None:
+        if isinstance(v, DTensor):
+            out.append(v._local_tensor)  # the very object rebuild() sees, not a fresh view
+        elif isinstance(v, ShardedTensor):
+            out.extend(s.tensor for s in v.local_shards())
+        elif isinstance(v, torch.Tensor):
+            out.append(v)
+        else:
+            for c in _children(v):
+                walk(c)
 
-def check_tensor(name: str, t: torch.Tensor) -> None:
-    """Raise ``ValueError`` naming the state dict entry ``name`` if ``t``'s raw bytes cannot hold its value,
-    and saying what to save instead."""
-    if t.device.type == "meta":
-        problem = "a meta tensor, which has no data: materialize it (to_empty() and initialize it) first"
-    elif t.layout != torch.strided:
-        problem = f"a {t.layout} tensor; only dense tensors can be saved: save its to_dense() instead"
-    elif t.is_quantized:
-        problem = (
-            "a quantized tensor, whose scale and zero point raw bytes do not keep: save its dequantize(), "
-            "or its int_repr() with q_scale() and q_zero_point()"
-        )
-    else:
-        return
-    raise ValueError(f"state_dict entry {name!r} is {problem}")
-
-
-def check_storable(value: Any) -> None:
-    """``check_tensor`` for every tensor of the state dict ``value``."""
-    for name, t in named_tensors(value):
-        check_tensor(name, t)
+    walk(value)
+    return out
 
 
 def rebuild(value: Any, replace: Callable[[torch.Tensor], torch.Tensor]) -> Any:

@@ -33,6 +33,7 @@ from dcp_memstore.dcp.metadata_codec import encode_metadata
 from dcp_memstore.dcp.rank_write import RankWrite
 from dcp_memstore.dcp.save_order import SaveOrder
 from dcp_memstore.dcp.stager import Stager, current_rank
+from dcp_memstore.dcp.storable import check_plan
 from dcp_memstore.errors import CheckpointExistsError
 from dcp_memstore.memstore import MemStore
 from dcp_memstore.store import catalog
@@ -231,6 +232,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
     @_releases_slot_on_error
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         assert self.checkpoint_id is not None
+        check_plan(plan)  # every rank fails here, before any of them copies
         if catalog.read_commit(self.store.layout, self.checkpoint_id) is not None:
             raise CheckpointExistsError(
                 f"checkpoint {self.checkpoint_id!r} already exists in store {self.store.layout.job_dir}; "

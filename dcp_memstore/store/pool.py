@@ -76,9 +76,11 @@ class FilePool:
                 missing.append(size)
         return missing
 
-    def acquire(self, dest: Path, size: int) -> MappedFile:
-        """``claim`` a file and map it into this process (pages faulted in, for writing)."""
-        return MAPPINGS.map_fd(self.claim(dest, size)[0])
+    def acquire(self, dest: Path, size: int) -> tuple[MappedFile, bool]:
+        """``claim`` a file and map it into this process (pages faulted in, for writing); returns the
+        mapping and whether the file was reused."""
+        fd, reused = self.claim(dest, size)
+        return MAPPINGS.map_fd(fd), reused
 
     def release(self, path: Path) -> None:
         """Return a shard file to the pool. FileNotFoundError if the store was deleted (its directory is not

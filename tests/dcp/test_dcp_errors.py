@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from dcp_state import assert_tree_equal, async_save, load, load_fresh, save, snapshot, store_tree
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.testing._internal.two_tensor import TwoTensor
 
 from dcp_memstore import InsufficientSpaceError, MemoryStorageReader, MemoryStorageWriter, MemStore
 from dcp_memstore.dcp.reader import NEEDS_CHECKPOINT_ID
@@ -175,6 +176,12 @@ def _unstorable() -> dict:
         "sparse": (torch.eye(4).to_sparse(), "sparse_coo tensor", "to_dense()"),
         "meta": (torch.empty(4, device="meta"), "meta tensor", "materialize"),
         "quantized": (quantized, "quantized tensor", "dequantize()"),
+        # a wrapper subclass: its values live in two inner tensors; copying it into a shard file kept one
+        "subclass": (
+            TwoTensor(torch.ones(4), torch.zeros(4)),
+            "TwoTensor, a tensor subclass",
+            "plain tensors",
+        ),
     }
 
 
@@ -184,19 +191,44 @@ def test_a_tensor_whose_bytes_cannot_be_stored_is_refused_by_name_before_anythin
     quick_store, mode, kind
 ):
     """Sparse and meta tensors used to fail inside the copy with torch's words and no name; a quantized one
-    was stored without its scale and zero point."""
+    was stored without its scale and zero point, a wrapper subclass (async_save) without its values."""
     tensor, what, fix = _unstorable()[kind]
     save(quick_store, _state(0), "ok")
-    before = store_tree(quick_store)
+    before = store_tree(quick_store, pool=False)
     sd = {"model": {"layers": [_state(1)["w"], tensor]}, "step": 1}
     with pytest.raises((ValueError, CheckpointException)) as ei:
-        (save if mode == "save" else async_save)(quick_store, sd, "bad")
+        if mode == "save":
+            save(quick_store, sd, "bad")
+        else:
+            async_save(quick_store, sd, "bad").result()  # staged, then refused by the background save
     msg = str(ei.value)
     assert "state_dict entry 'model.layers.1' is a" in msg and what in msg and fix in msg
-    assert store_tree(quick_store) == before
+    assert store_tree(quick_store, pool=False) == before
     assert quick_store.list_checkpoints() == ["ok"]
     async_save(quick_store, _state(2), "next").result()  # no ticket or slot left behind
     assert_tree_equal(_state(2), load_fresh(quick_store, _state(2), "next"))
+
+
+@pytest.mark.parametrize("mode", ["save", "async_save"])
+@pytest.mark.parametrize("flatten", [True, False])
+def test_tensors_that_dcp_pickles_whole_are_not_refused(quick_store, mode, flatten):
+    """DCP pickles a tuple whole (and, with flatten_state_dict=False, every nested value): a sparse
+    tensor inside one is not written as a tensor, so it is saved."""
+    sparse = torch.eye(3).to_sparse()
+    sd = {"pair": (torch.arange(3.0), sparse), "nested": {"s": sparse}}
+    planner = DefaultSavePlanner(flatten_state_dict=flatten)
+    if flatten:
+        sd = {"pair": sd["pair"]}  # flattened, "nested.s" would be a tensor item, refused as above
+    if mode == "save":
+        save(quick_store, sd, "c", planner=planner)
+    else:
+        async_save(quick_store, sd, "c", planner=planner).result()
+    dest = {k: None for k in sd} if not flatten else {"pair": None}
+    out = load(quick_store, dest, "c")
+    assert torch.equal(out["pair"][0], torch.arange(3.0))
+    assert torch.equal(out["pair"][1].to_dense(), torch.eye(3))
+    if not flatten:
+        assert torch.equal(out["nested"]["s"].to_dense(), torch.eye(3))
 
 
 @pytest.fixture

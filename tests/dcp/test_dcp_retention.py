@@ -74,22 +74,28 @@ def test_steady_state_saves_reuse_the_shard_files_of_evicted_checkpoints(shm_dir
 
 @pytest.mark.parametrize("mode", ["save", "async_save"])
 def test_the_debug_log_says_where_each_saves_bytes_went(shm_dir, mode, caplog):
-    """One DEBUG line per rank and save, to tell a slow save that allocated new tmpfs pages from one that
-    reused files or only renamed what async_save staged."""
-    caplog.set_level(logging.DEBUG, logger="dcp_memstore.dcp.rank_write")
+    """DEBUG lines per rank and save, to tell a slow save that allocated new tmpfs pages from one that
+    reused files: the write's line, and for async_save also the staging's (where the copy happens)."""
+    caplog.set_level(logging.DEBUG, logger="dcp_memstore.dcp")
     store = MemStore(root=shm_dir, job_id="job", keep_in_memory=1, io_threads=2)
-    for i in range(3):
+    for i in range(4):
         _do_save(mode, store, _state(i), f"step-{i}")
-    lines = [r.getMessage() for r in caplog.records if r.name == "dcp_memstore.dcp.rank_write"]
-    assert len(lines) == 3
+    writes = [r.getMessage() for r in caplog.records if r.name == "dcp_memstore.dcp.rank_write"]
+    stagings = [r.getMessage() for r in caplog.records if r.name == "dcp_memstore.dcp.stager"]
+    assert len(writes) == 4
     nbytes = (64 << 10) * 4 + 1000 * 2
-    assert all(f"{nbytes / (1 << 30):.3f} GiB in" in line for line in lines)
-    assert lines[0].startswith("rank 0 wrote checkpoint 'step-0': 4 items, ")
+    assert all(f"{nbytes / (1 << 30):.3f} GiB in" in line for line in writes + stagings)
+    assert writes[0].startswith("rank 0 wrote checkpoint 'step-0': 4 items, ")
     if mode == "save":
-        assert lines[0].endswith("0 staged by async_save, 0 reused, 2 new")
-        assert lines[2].endswith("0 staged by async_save, 2 reused, 0 new")  # step-0's files
+        assert stagings == []
+        assert writes[0].endswith("0 staged by async_save, 0 reused, 2 new")
+        assert writes[3].endswith("0 staged by async_save, 2 reused, 0 new")  # an evicted checkpoint's
     else:
-        assert all(line.endswith("2 staged by async_save, 0 reused, 0 new") for line in lines)
+        assert all(line.endswith("2 staged by async_save, 0 reused, 0 new") for line in writes)
+        assert len(stagings) == 4
+        assert stagings[0].startswith("rank 0 staged 2 tensors for async_save, ")
+        assert stagings[0].endswith("0 reused, 2 new")
+        assert stagings[3].endswith("2 reused, 0 new")
 
 
 def test_a_reused_larger_file_holds_a_smaller_checkpoint_correctly(shm_dir):

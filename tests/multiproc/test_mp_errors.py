@@ -132,3 +132,24 @@ def test_a_load_that_fails_on_one_rank_before_dcp_plans_fails_on_every_rank_at_o
     for rank, r in enumerate(mp.run(load_missing_on_rank_1, 2, str(mp.root))):
         assert "checkpoint 'nope' not found" in r["error"] and "committed checkpoints: ['c']" in r["error"], r
         assert r["waited"] < 30, (rank, r)
+
+
+def save_sparse_on_rank_1(rank: int, world: int, root: str) -> dict:
+    """dcp.save where only rank 1 holds a sparse tensor: every rank must fail with its name, and no rank may
+    have written anything (the refusal comes at planning, before any rank copies)."""
+    store = MemStore(root, "job")
+    state = {f"rank{rank}": make_tensor(40 + rank, (1 << 16,), torch.float32)}
+    if rank == 1:
+        state["emb"] = torch.eye(8).to_sparse()
+    error = outcome(lambda: dcp.save(state, checkpoint_id="bad", storage_writer=MemoryStorageWriter(store)))
+    dist.barrier()
+    written = sorted(p.name for p in store.layout.checkpoints_dir.iterdir())
+    pooled = sorted(p.name for p in store.layout.pools_dir.rglob("*.shard"))
+    store.close()
+    return {"error": error, "written": written, "pooled": pooled}
+
+
+def test_a_sparse_tensor_on_one_rank_fails_dcp_save_on_every_rank_before_any_rank_writes(mp) -> None:
+    for rank, r in enumerate(mp.run(save_sparse_on_rank_1, 2, str(mp.root))):
+        assert "state_dict entry 'emb' is a torch.sparse_coo tensor" in r["error"], (rank, r)
+        assert r["written"] == [] and r["pooled"] == [], (rank, r)

@@ -29,7 +29,8 @@ def test_round_up_to_pages():
 def test_acquire_from_empty_pool_makes_an_allocated_mapped_file(layout, shm_dir):
     pool = FilePool(layout, 0)
     dest = shm_dir / "a.shard"
-    mf = pool.acquire(dest, 10_000)
+    mf, reused = pool.acquire(dest, 10_000)
+    assert not reused
     st = os.stat(dest)
     assert mf.size == st.st_size == round_up(10_000)
     assert st.st_blocks * 512 >= st.st_size  # allocated up front, not sparse
@@ -42,14 +43,15 @@ def test_acquire_from_empty_pool_makes_an_allocated_mapped_file(layout, shm_dir)
 
 def test_release_then_acquire_reuses_the_same_inode_and_mapping(layout, shm_dir):
     pool = FilePool(layout, 0)
-    first = pool.acquire(shm_dir / "a.shard", 64 << 10)
+    first, _ = pool.acquire(shm_dir / "a.shard", 64 << 10)
     ino = os.stat(shm_dir / "a.shard").st_ino
     pool.release(shm_dir / "a.shard")
     assert not (shm_dir / "a.shard").exists()
     assert [p.stat().st_ino for p in _pooled(pool)] == [ino]
     assert pool.reusable_bytes() == 64 << 10
 
-    again = pool.acquire(shm_dir / "b.shard", 60 << 10)  # a bit smaller still fits
+    again, reused = pool.acquire(shm_dir / "b.shard", 60 << 10)  # a bit smaller still fits
+    assert reused
     assert os.stat(shm_dir / "b.shard").st_ino == ino
     assert again is first  # the cached mapping, not a new one
     assert _pooled(pool) == []
@@ -74,7 +76,7 @@ def test_a_pooled_file_that_does_not_fit_is_deleted_never_resized(layout, shm_di
     pool.acquire(shm_dir / "a", 8 << 10)
     ino = os.stat(shm_dir / "a").st_ino
     pool.release(shm_dir / "a")
-    mf = pool.acquire(shm_dir / "b", 1 << 20)
+    mf, _ = pool.acquire(shm_dir / "b", 1 << 20)
     st = os.stat(shm_dir / "b")
     assert st.st_ino != ino
     assert st.st_size == mf.size == 1 << 20
