@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from dcp_memstore.dcp import storable
 from dcp_memstore.dcp.metadata_codec import decode_metadata, dtype_from_name, dtype_name
 from dcp_memstore.errors import ChecksumMismatchError
 from dcp_memstore.memstore import CheckpointSource, MemStore
@@ -275,11 +276,13 @@ class _Read:
     data: bytes = b""
 
     def whole(self) -> bool:
-        """True if the whole stored item goes unchanged into a contiguous CPU tensor (or is bytes)."""
+        """True if the whole stored item goes unchanged into a contiguous CPU tensor whose bytes are its
+        value (or is bytes); anything else is copied with ``copy_``, which a tensor subclass dispatches."""
         if self.dst is None:
             return True
         return (
             self.dst.device.type == "cpu"
+            and storable.problem(self.dst) is None
             and self.dst.is_contiguous()
             and dtype_name(self.dst.dtype) == self.loc.dtype
             and tuple(self.dst.shape) == self.loc.shape

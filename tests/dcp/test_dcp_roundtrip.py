@@ -17,6 +17,7 @@ from dcp_state import (
     snapshot,
 )
 from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.testing._internal.two_tensor import TwoTensor
 
 from dcp_memstore import MemoryStorageWriter, MemStore
 
@@ -134,6 +135,17 @@ def test_load_into_non_contiguous_destinations(store):
     load(store, dst, "s")
     assert torch.equal(buf.t(), sd["w"])
     assert torch.equal(dst["c"], sd["c"])
+
+
+@pytest.mark.parametrize("mode", ["save", "async_save"])  # files read with pread / through the mapping
+def test_load_into_a_tensor_subclass_destination_fills_it_as_filesystemreader_does(store, mode):
+    """A wrapper subclass's bytes are not its values: the read goes through its copy_ (before, a pread or
+    memmove into its storage raised EFAULT or crashed the process)."""
+    sd = {"w": torch.randn(4, 4)}
+    _save(mode, store, sd, "s")
+    dest = {"w": TwoTensor(torch.zeros(4, 4), torch.zeros(4, 4))}
+    load(store, dest, "s")
+    assert torch.equal(dest["w"].a, sd["w"]) and torch.equal(dest["w"].b, sd["w"])
 
 
 def test_requires_grad_parameters_round_trip(store):
