@@ -189,12 +189,16 @@ class _ResolvedData:
 
 def _write_rank(writer: MemoryStorageWriter, plan: SavePlan, data: _ResolvedData, record: str) -> None:
     """The request's ``async_fn``: write this rank's part of the checkpoint, then leave its results (or its
-    error) in ``record`` for the finalize step, which may run in another process."""
+    error) in ``record`` for the finalize step, which may run in another process.
+
+    An error is not raised here: the finalize step raises it on every rank. Raised here, it would skip this
+    rank's finalize in a synchronous save (``execute_sync``), and the other ranks would wait for it in
+    finalize's collective until the process group timed out."""
     try:
         results = writer.write_data(plan, data).value()
-    except BaseException as e:
+    except Exception as e:
         write_record(Path(record), {"error": f"{type(e).__name__}: {e}"})
-        raise
+        return
     write_record(Path(record), {"results": [_encode_result(r) for r in results]})
 
 

@@ -58,6 +58,7 @@ WORLD = 2
 SYNC, ASYNC, EXEC = "iter_0000001", "iter_0000002", "iter_0000003"  # checkpoint directories' names
 FAILED = "iter_0000099"  # a save whose write fails
 STAGE_FAILED = "iter_0000098"  # a save whose staging fails on one rank
+WRITE_FAILED = "iter_0000097"  # a synchronous save whose write fails on one rank
 MEGATRON_FILES = ["common.pt", POINTER, "metadata.json"]  # all that a checkpoint_dir holds
 
 
@@ -205,6 +206,18 @@ def megatron_job(rank: int, world: int, root: str, ckpts: str) -> dict[str, Any]
     except CheckpointException as e:
         out["stage_failed"] = {"error": str(e), "seconds": time.monotonic() - t0}
 
+    # 4c. a synchronous save whose write fails on rank 1 only (a meta tensor, refused when written): rank 1
+    # still reaches the finalize step, so the save fails there on every rank, instead of rank 0 waiting in
+    # its collective until the group times out
+    data = torch.ones(4, 6) if rank == 0 else torch.empty(4, 6, device="meta")
+    t0 = time.monotonic()
+    try:
+        bad = {"w": ShardedTensor.from_rank_offsets("bad.w", data, (0, rank, world))}
+        mdc.save(bad, str(base / WRITE_FAILED), sharded_strategy=save)
+        out["write_failed"] = None
+    except CheckpointException as e:
+        out["write_failed"] = {"error": str(e), "seconds": time.monotonic() - t0}
+
     # 5. async request run inline with execute_sync(), through Megatron's fully parallel wrapper (which
     # spreads the main replicas of replicated tensors over the ranks)
     values, sd = state(3)
@@ -250,7 +263,7 @@ def job() -> Any:
     m = MultiProc()
     try:
         ckpts = m.workdir / "ckpts"
-        for name in (SYNC, ASYNC, EXEC, FAILED, STAGE_FAILED, f"again/{SYNC}"):
+        for name in (SYNC, ASYNC, EXEC, FAILED, STAGE_FAILED, WRITE_FAILED, f"again/{SYNC}"):
             (ckpts / name).mkdir(parents=True)  # Megatron wants checkpoint_dir to exist
         reports = m.run(megatron_job, WORLD, str(m.root), str(ckpts))
         yield reports
@@ -397,3 +410,15 @@ def test_pointer_names_the_checkpoint_to_load(tmp_path: Path, store: MemStore) -
             resolve_checkpoint_id(renamed, other)
     finally:
         other.close()
+
+
+def test_a_synchronous_save_whose_write_fails_on_one_rank_fails_on_every_rank_at_once(
+    job: list[dict],
+) -> None:
+    """The failing rank records its error and still finalizes, where every rank raises it (before, its
+    error skipped its finalize step and the other rank waited in finalize's collective)."""
+    for rep in job:
+        failed = rep["write_failed"]
+        assert failed is not None and "state_dict entry 'bad.w' is a meta tensor" in failed["error"], failed
+        assert failed["seconds"] < 60, failed
+        assert WRITE_FAILED not in rep["store_checkpoints"] and EXEC in rep["store_checkpoints"]
