@@ -2,7 +2,10 @@
 
 ``tensors`` lists them in a fixed order; ``rebuild`` returns the same structure with each of those tensors
 replaced (in the same order) and every other value deep-copied, which is what a stager must hand to DCP:
-a state dict that later training steps cannot change.
+a state dict that later training steps cannot change. Both go only where DCP's traversal goes (dicts,
+and lists that hold a tensor, a dict or such a list): DCP pickles any other value whole, a tuple say, and
+a tensor in it must be a copy of its own, not a view of a shard file, whose whole storage would be
+pickled with it.
 """
 
 from __future__ import annotations
@@ -16,11 +19,19 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed.tensor import DTensor
 
 
+def _traversed_list(value: Any) -> bool:
+    """Whether ``value`` is a list that DCP goes into (as its ``traverse_state_dict`` decides) instead of
+    pickling it whole."""
+    return isinstance(value, list) and any(
+        isinstance(v, (torch.Tensor, dict)) or _traversed_list(v) for v in value
+    )
+
+
 def _children(value: Any) -> Iterator[Any]:
     if isinstance(value, dict):
         yield from value.values()
-    elif isinstance(value, list) or (isinstance(value, tuple) and not hasattr(value, "_fields")):
-        yield from value  # a namedtuple is deep-copied whole by rebuild(), so its tensors are not staged
+    elif _traversed_list(value):
+        yield from value
 
 
 def tensors(value: Any) -> list[torch.Tensor]:
@@ -64,11 +75,9 @@ def rebuild(value: Any, replace: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         return replace(value)
     if isinstance(value, dict):  # DCP flattens mappings, so a plain dict stands in for any dict type
         return {k: rebuild(v, replace) for k, v in value.items()}
-    if isinstance(value, list):
+    if _traversed_list(value):
         return [rebuild(v, replace) for v in value]
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(rebuild(v, replace) for v in value)
-    return copy.deepcopy(value)
+    return copy.deepcopy(value)  # pickled whole by DCP: its tensors are cloned, not staged
 
 
 def _dtensor_like(like: DTensor, local: torch.Tensor) -> DTensor:

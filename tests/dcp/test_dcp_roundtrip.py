@@ -148,6 +148,26 @@ def test_load_into_a_tensor_subclass_destination_fills_it_as_filesystemreader_do
     assert torch.equal(dest["w"].a, sd["w"]) and torch.equal(dest["w"].b, sd["w"])
 
 
+def test_a_tensor_in_a_value_dcp_pickles_is_a_copy_of_its_own_not_a_view_of_a_shard_file(shm_dir):
+    """DCP pickles a tuple whole (and a list holding no tensor or dict). async_save used to stage the tensors
+    in it too, so each was pickled with the whole storage of its shard file: a 12-byte tensor next to a
+    4 MiB one wrote 4 MiB of objects, and loaded with a 4 MiB storage."""
+    store = MemStore(root=shm_dir, job_id="job", io_threads=1)  # one shard file for every staged tensor
+    small = torch.arange(3.0)
+    sd = {"big": torch.randn(1 << 20), "pair": (small, "x"), "listed": [("k", small * 2)]}
+    expected = snapshot(sd)
+    fut = async_save(store, sd, "s")
+    small.add_(100)  # training goes on: the checkpoint keeps the values of the time of the save
+    fut.result()
+    objects = store.layout.checkpoint_dir("s") / "__0_objects.bin"
+    assert objects.stat().st_size < 64 << 10
+    out = load_fresh(store, expected, "s")
+    assert_tree_equal(expected, out)
+    assert out["pair"][0].untyped_storage().nbytes() == 12
+    assert out["listed"][0][1].untyped_storage().nbytes() == 12
+    store.close()
+
+
 def test_requires_grad_parameters_round_trip(store):
     tr = Trainer(seed=5)
     sd = {"model": tr.model.state_dict(keep_vars=True)}
