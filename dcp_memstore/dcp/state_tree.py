@@ -11,7 +11,7 @@ pickled with it.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -77,10 +77,30 @@ def rebuild(value: Any, replace: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         return {k: rebuild(v, replace) for k, v in value.items()}
     if _traversed_list(value):
         return [rebuild(v, replace) for v in value]
-    return copy.deepcopy(value)  # pickled whole by DCP: its tensors are cloned, not staged
+    return _copy_whole(value)
 
 
 def _dtensor_like(like: DTensor, local: torch.Tensor) -> DTensor:
     return DTensor.from_local(
         local, like.device_mesh, like.placements, run_check=False, shape=like.size(), stride=like.stride()
     )
+
+
+def _copy_whole(value: Any) -> Any:
+    """A deep copy of a value DCP pickles whole. The tensors in its tuples, lists and dicts are copied
+    detached (to the CPU from a GPU, as DCP's own stager does): ``copy.deepcopy`` refuses a tensor that is
+    not a graph leaf."""
+    memo: dict[int, Any] = {}
+
+    def walk(v: Any) -> None:
+        if isinstance(v, torch.Tensor):
+            memo[id(v)] = v.detach().cpu() if v.is_cuda else v.detach().clone()
+        elif isinstance(v, Mapping):
+            for c in v.values():
+                walk(c)
+        elif isinstance(v, (list, tuple)):
+            for c in v:
+                walk(c)
+
+    walk(value)
+    return copy.deepcopy(value, memo)
