@@ -283,6 +283,8 @@ class _Read:
         return (
             self.dst.device.type == "cpu"
             and storable.problem(self.dst) is None
+            and not self.dst.is_conj()  # its bytes are the conjugate (or negation) of its values
+            and not self.dst.is_neg()
             and self.dst.is_contiguous()
             and dtype_name(self.dst.dtype) == self.loc.dtype
             and tuple(self.dst.shape) == self.loc.shape
