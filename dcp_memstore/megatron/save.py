@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 import os
 import threading
 from pathlib import Path
@@ -50,6 +51,7 @@ from dcp_memstore.memstore import MemStore
 from dcp_memstore.store.manifest import ShardLocation
 from dcp_memstore.store.records import read_record, write_record
 
+log = logging.getLogger(__name__)
 RESULTS_RECORD = "megatron-results-r{rank}.msgpack"  # in the store's checkpoint directory, until finalize
 
 
@@ -195,11 +197,13 @@ def _write_rank(writer: MemoryStorageWriter, plan: SavePlan, data: _ResolvedData
     rank's finalize in a synchronous save (``execute_sync``), and the other ranks would wait for it in
     finalize's collective until the process group timed out."""
     try:
-        results = writer.write_data(plan, data).value()
+        outcome = {"results": [_encode_result(r) for r in writer.write_data(plan, data).value()]}
     except Exception as e:
-        write_record(Path(record), {"error": f"{type(e).__name__}: {e}"})
-        return
-    write_record(Path(record), {"results": [_encode_result(r) for r in results]})
+        outcome = {"error": f"{type(e).__name__}: {e}"}
+    try:
+        write_record(Path(record), outcome)
+    except OSError as e:  # finalize finds no record, and says so on every rank
+        log.error("could not record the outcome of this rank's write in %s: %s", record, e)
 
 
 def _encode_result(r: WriteResult) -> list:

@@ -48,7 +48,7 @@ from dcp_memstore.megatron import (  # noqa: E402
     checkpoint_id_for,
 )
 from dcp_memstore.megatron.checkpoint_dir import resolve_checkpoint_id, write_pointer  # noqa: E402
-from dcp_memstore.megatron.save import RESULTS_RECORD  # noqa: E402
+from dcp_memstore.megatron.save import RESULTS_RECORD, _write_rank  # noqa: E402
 from tests.megatron.cuda_shim import shim_cuda_for_cpu  # noqa: E402
 from tests.multiproc.mp_harness import JOB_ID, MultiProc, assert_bit_equal, make_tensor  # noqa: E402
 
@@ -422,3 +422,16 @@ def test_a_synchronous_save_whose_write_fails_on_one_rank_fails_on_every_rank_at
         assert failed is not None and "state_dict entry 'bad.w' is a meta tensor" in failed["error"], failed
         assert failed["seconds"] < 60, failed
         assert WRITE_FAILED not in rep["store_checkpoints"] and EXEC in rep["store_checkpoints"]
+
+
+def test_async_fn_does_not_raise_when_it_cannot_even_record_its_outcome(tmp_path: Path) -> None:
+    """async_fn must never raise: a raise skips the rank's finalize in a synchronous save, and the other
+    ranks wait for it in finalize's collective. When even the record cannot be written (here its directory
+    is gone), finalize finds no record and fails on every rank."""
+
+    class FullTmpfs:
+        def write_data(self, plan: Any, data: Any) -> Any:
+            raise OSError(28, "No space left on device")
+
+    _write_rank(FullTmpfs(), None, None, str(tmp_path / "gone" / "record"))  # type: ignore[arg-type]
+    assert not (tmp_path / "gone").exists()
