@@ -154,7 +154,8 @@ def test_a_tensor_in_a_value_dcp_pickles_is_a_copy_of_its_own_not_a_view_of_a_sh
     4 MiB one wrote 4 MiB of objects, and loaded with a 4 MiB storage."""
     store = MemStore(root=shm_dir, job_id="job", io_threads=1)  # one shard file for every staged tensor
     small = torch.arange(3.0)
-    sd = {"big": torch.randn(1 << 20), "pair": (small, "x"), "listed": [("k", small * 2)]}
+    grad = torch.randn(3, requires_grad=True)  # a tensor computed from it is not a graph leaf
+    sd = {"big": torch.randn(1 << 20), "pair": (small, "x"), "listed": [("k", small * 2, grad * 2)]}
     expected = snapshot(sd)
     fut = async_save(store, sd, "s")
     small.add_(100)  # training goes on: the checkpoint keeps the values of the time of the save
@@ -165,7 +166,19 @@ def test_a_tensor_in_a_value_dcp_pickles_is_a_copy_of_its_own_not_a_view_of_a_sh
     assert_tree_equal(expected, out)
     assert out["pair"][0].untyped_storage().nbytes() == 12
     assert out["listed"][0][1].untyped_storage().nbytes() == 12
+    assert not out["listed"][0][2].requires_grad
     store.close()
+
+
+@pytest.mark.parametrize("mode", ["save", "async_save"])  # files read with pread / through the mapping
+def test_load_into_conjugate_and_negative_views_gives_the_values_not_their_bytes(store, mode):
+    """A conj or neg view's bytes are the conjugate or negation of its values: raw bytes written into its
+    storage loaded 1-2j for 1+2j and -1 for 1."""
+    sd = {"c": torch.tensor([1 + 2j, 3 - 4j]), "n": torch.tensor([1.0, -2.0])}
+    _save(mode, store, sd, "s")
+    dest = {"c": torch.zeros(2, dtype=torch.cfloat).conj(), "n": torch._neg_view(torch.zeros(2))}
+    load(store, dest, "s")
+    assert torch.equal(dest["c"].resolve_conj(), sd["c"]) and torch.equal(dest["n"].resolve_neg(), sd["n"])
 
 
 def test_requires_grad_parameters_round_trip(store):
