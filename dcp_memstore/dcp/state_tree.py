@@ -87,14 +87,19 @@ def _dtensor_like(like: DTensor, local: torch.Tensor) -> DTensor:
 
 
 def _copy_whole(value: Any) -> Any:
-    """A deep copy of a value DCP pickles whole. The tensors in its tuples, lists and dicts are copied
-    detached (to the CPU from a GPU, as DCP's own stager does): ``copy.deepcopy`` refuses a tensor that is
-    not a graph leaf."""
+    """A deep copy of a value DCP pickles whole, made as ``copy.deepcopy`` makes it (views of one storage
+    stay views of one copy; parameters, subclasses and their attributes stay what they are), except for
+    the tensors in its tuples, lists and dicts that deepcopy cannot copy or should not: those on a GPU go
+    to the CPU, as DCP's own stager does, and those that are not graph leaves, which deepcopy refuses, are
+    copied detached."""
     memo: dict[int, Any] = {}
 
     def walk(v: Any) -> None:
         if isinstance(v, torch.Tensor):
-            memo[id(v)] = v.detach().cpu() if v.is_cuda else v.detach().clone()
+            if v.is_cuda:
+                memo[id(v)] = v.detach().cpu()
+            elif not v.is_leaf:
+                memo[id(v)] = copy.deepcopy(v.detach(), memo)
         elif isinstance(v, Mapping):
             for c in v.values():
                 walk(c)

@@ -155,7 +155,14 @@ def test_a_tensor_in_a_value_dcp_pickles_is_a_copy_of_its_own_not_a_view_of_a_sh
     store = MemStore(root=shm_dir, job_id="job", io_threads=1)  # one shard file for every staged tensor
     small = torch.arange(3.0)
     grad = torch.randn(3, requires_grad=True)  # a tensor computed from it is not a graph leaf
-    sd = {"big": torch.randn(1 << 20), "pair": (small, "x"), "listed": [("k", small * 2, grad * 2)]}
+    x = torch.arange(6.0)
+    sd = {
+        "big": torch.randn(1 << 20),
+        "pair": (small, "x"),
+        "listed": [("k", small * 2, grad * 2)],
+        "views": (x, x[2:4]),  # pickled as views of one storage, as DCP pickles the live tuple
+        "param": (torch.nn.Parameter(torch.ones(2)),),
+    }
     expected = snapshot(sd)
     fut = async_save(store, sd, "s")
     small.add_(100)  # training goes on: the checkpoint keeps the values of the time of the save
@@ -167,6 +174,9 @@ def test_a_tensor_in_a_value_dcp_pickles_is_a_copy_of_its_own_not_a_view_of_a_sh
     assert out["pair"][0].untyped_storage().nbytes() == 12
     assert out["listed"][0][1].untyped_storage().nbytes() == 12
     assert not out["listed"][0][2].requires_grad
+    whole, part = out["views"]
+    assert part.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+    assert isinstance(out["param"][0], torch.nn.Parameter)
     store.close()
 
 
