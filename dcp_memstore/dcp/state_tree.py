@@ -1,22 +1,24 @@
 """Walking a state dict's tensors: plain tensors, DTensor local shards, ShardedTensor local shards.
 
 ``tensors`` lists them in a fixed order; ``rebuild`` returns the same structure with each of those tensors
-replaced (in the same order) and every other value deep-copied, which is what a stager must hand to DCP:
-a state dict that later training steps cannot change. Both go only where DCP's traversal goes (dicts,
-and lists that hold a tensor, a dict or such a list): DCP pickles any other value whole, a tuple say, and
-a tensor in it must be a copy of its own, not a view of a shard file, whose whole storage would be
-pickled with it.
+replaced (in the same order) and every other value copied, which is what a stager must hand to DCP: a
+state dict that later training steps cannot change. Both go only where DCP's traversal goes (dicts, and
+lists that hold a tensor, a dict or such a list): DCP pickles any other value whole, a tuple say, and a
+tensor in it must be a copy of its own, not a view of a shard file, whose whole storage would be pickled
+with it.
 """
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable, Iterator, Mapping
+import io
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed.tensor import DTensor
+
+_ATOMS = (type(None), bool, int, float, complex, str, bytes)  # values a copy would return unchanged
 
 
 def _traversed_list(value: Any) -> bool:
@@ -54,7 +56,13 @@ def tensors(value: Any) -> list[torch.Tensor]:
 
 
 def rebuild(value: Any, replace: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``value`` with each tensor that ``tensors(value)`` lists passed through ``replace``."""
+    """``value`` with each tensor that ``tensors(value)`` lists passed through ``replace``, and a copy of
+    each value DCP pickles whole."""
+    whole = _pickled_whole(value)
+    return _rebuild(value, replace, iter(_through_pickle(whole) if whole else ()))
+
+
+def _rebuild(value: Any, replace: Callable[[torch.Tensor], torch.Tensor], copies: Iterator[Any]) -> Any:
     if isinstance(value, DTensor):
         local = replace(value._local_tensor)
         if local.storage_offset() == 0:
@@ -74,38 +82,41 @@ def rebuild(value: Any, replace: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(value, torch.Tensor):
         return replace(value)
     if isinstance(value, dict):  # DCP flattens mappings, so a plain dict stands in for any dict type
-        return {k: rebuild(v, replace) for k, v in value.items()}
+        return {k: _rebuild(v, replace, copies) for k, v in value.items()}
     if _traversed_list(value):
-        return [rebuild(v, replace) for v in value]
-    return _copy_whole(value)
+        return [_rebuild(v, replace, copies) for v in value]
+    return value if isinstance(value, _ATOMS) else next(copies)
+
+
+def _pickled_whole(value: Any) -> list[Any]:
+    """The values in ``value`` that DCP pickles whole (other than immutable atoms), in traversal order."""
+    out: list[Any] = []
+
+    def walk(v: Any) -> None:
+        if isinstance(v, (torch.Tensor, ShardedTensor, _ATOMS)):
+            return
+        if isinstance(v, dict) or _traversed_list(v):
+            for c in _children(v):
+                walk(c)
+        else:
+            out.append(v)
+
+    walk(value)
+    return out
+
+
+def _through_pickle(values: list[Any]) -> list[Any]:
+    """``values`` saved with ``torch.save`` and loaded back, all at once, onto the CPU (as DCP's own stager
+    copies them). The copy holds what DCP's pickle of the live values would hold now (views of one storage,
+    parameters, ``requires_grad``, references to themselves), which ``copy.deepcopy`` does not always give,
+    and it refuses no tensor that DCP's pickle takes (deepcopy refuses those that are not graph leaves)."""
+    buf = io.BytesIO()
+    torch.save(values, buf)
+    buf.seek(0)
+    return torch.load(buf, map_location="cpu", weights_only=False)  # bytes made here, just now
 
 
 def _dtensor_like(like: DTensor, local: torch.Tensor) -> DTensor:
     return DTensor.from_local(
         local, like.device_mesh, like.placements, run_check=False, shape=like.size(), stride=like.stride()
     )
-
-
-def _copy_whole(value: Any) -> Any:
-    """A deep copy of a value DCP pickles whole, made as ``copy.deepcopy`` makes it (views of one storage
-    stay views of one copy; parameters, subclasses and their attributes stay what they are), except for
-    the tensors in its tuples, lists and dicts that deepcopy cannot copy or should not: those on a GPU go
-    to the CPU, as DCP's own stager does, and those that are not graph leaves, which deepcopy refuses, are
-    copied detached."""
-    memo: dict[int, Any] = {}
-
-    def walk(v: Any) -> None:
-        if isinstance(v, torch.Tensor):
-            if v.is_cuda:
-                memo[id(v)] = v.detach().cpu()
-            elif not v.is_leaf:
-                memo[id(v)] = copy.deepcopy(v.detach(), memo)
-        elif isinstance(v, Mapping):
-            for c in v.values():
-                walk(c)
-        elif isinstance(v, (list, tuple)):
-            for c in v:
-                walk(c)
-
-    walk(value)
-    return copy.deepcopy(value, memo)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -173,7 +175,7 @@ def test_a_tensor_in_a_value_dcp_pickles_is_a_copy_of_its_own_not_a_view_of_a_sh
     assert_tree_equal(expected, out)
     assert out["pair"][0].untyped_storage().nbytes() == 12
     assert out["listed"][0][1].untyped_storage().nbytes() == 12
-    assert not out["listed"][0][2].requires_grad
+    assert out["listed"][0][2].requires_grad  # as DCP's pickle of the live value gives
     whole, part = out["views"]
     assert part.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
     assert isinstance(out["param"][0], torch.nn.Parameter)
@@ -189,6 +191,21 @@ def test_load_into_conjugate_and_negative_views_gives_the_values_not_their_bytes
     dest = {"c": torch.zeros(2, dtype=torch.cfloat).conj(), "n": torch._neg_view(torch.zeros(2))}
     load(store, dest, "s")
     assert torch.equal(dest["c"].resolve_conj(), sd["c"]) and torch.equal(dest["n"].resolve_neg(), sd["n"])
+
+
+def test_values_dcp_pickles_whole_are_copied_as_its_pickle_would_store_them(store):
+    """Whatever DCP's pickle takes, async_save's copy takes: copy.deepcopy refused a leaf whose .grad is not
+    a leaf and a non-leaf tensor inside an object, and a walk into a value that holds itself never ended."""
+    w = torch.arange(1.0, 4.0, requires_grad=True)
+    (w.grad,) = torch.autograd.grad((w * w).sum(), w, create_graph=True)  # backward() would warn of a cycle
+    looped: dict = {"t": torch.ones(2)}
+    looped["self"] = looped
+    sd = {"graded": (w,), "object": (types.SimpleNamespace(a=w * 3),), "itself": (looped,)}
+    async_save(store, sd, "s").result()
+    out = load(store, {k: None for k in sd}, "s")
+    assert torch.equal(out["graded"][0], w.detach()) and out["graded"][0].grad is None
+    assert torch.equal(out["object"][0].a, (w * 3).detach())
+    assert out["itself"][0]["self"] is out["itself"][0] and torch.equal(out["itself"][0]["t"], torch.ones(2))
 
 
 def test_requires_grad_parameters_round_trip(store):
