@@ -76,8 +76,8 @@ class Stager:
     def stage(self, state_dict: dict[str, Any]) -> tuple[dict[str, Any], Ticket]:
         """Copy ``state_dict``'s tensors into a new staging slot; return the staged state dict and its ticket.
 
-        Tensors whose bytes are not their value (``storable.problem``) are cloned instead: DCP pickles them
-        if they sit inside a value it pickles whole, and the write refuses them by name otherwise."""
+        Tensors whose bytes are not their value (``storable.problem``) are cloned instead, and the write
+        refuses them by DCP's name for them. Values that DCP pickles whole are copied by ``rebuild``."""
         with self._lock:
             rank = current_rank()
             self._wait_for_room()
@@ -95,7 +95,6 @@ class Stager:
                 with space_errors(self.store.layout.root, sum(file_sizes), "while staging"):
                     slot.mkdir(parents=True)  # a tmpfs full before the files were allocated
                     claim_owner(slot)
-
                 claimed = run_parallel(  # a new file's page faults are taken in parallel
                     lambda b: pool.acquire(slot / shard_name(rank, b), file_sizes[b]),
                     range(len(file_sizes)),
