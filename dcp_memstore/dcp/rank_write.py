@@ -124,18 +124,19 @@ class RankWrite:
             os.rename(self.slot_files[mf.key], self.dir / names[key])
         if self.slot is not None:
             catalog.recycle(self.store.layout, Path(self.slot))  # files this rank's plan did not need
-        log.debug(
-            "rank %d wrote checkpoint %r: %d items, %.3f GiB in %.3f s; shard files: %d staged by async_save, "
-            "%d reused, %d new",
-            self.rank,
-            self.checkpoint_id,
-            len(self.results),
-            sum(r.size_in_bytes for r in self.results) / (1 << 30),
-            time.perf_counter() - started,
-            len(staged),
-            sum(self.claimed),
-            len(self.claimed) - sum(self.claimed),
-        )
+        if log.isEnabledFor(logging.DEBUG):  # the byte count walks every result: not on every save
+            log.debug(
+                "rank %d wrote checkpoint %r: %d items, %.3f GiB in %.3f s; shard files: %d staged by "
+                "async_save, %d reused, %d new",
+                self.rank,
+                self.checkpoint_id,
+                len(self.results),
+                sum(r.size_in_bytes for r in self.results) / (1 << 30),
+                time.perf_counter() - started,
+                len(staged),
+                sum(self.claimed),
+                len(self.claimed) - sum(self.claimed),
+            )
         return self.results
 
     def _committed(self) -> bool:
