@@ -57,7 +57,8 @@ def main() -> None:
             run_parallel(lambda idx: [dst[k].copy_(src[k]) for k in idx], bins, store.io_threads)
 
         print(
-            f"{args.size_gib:g} GiB in {args.tensors} tensors, io_threads={store.io_threads}, keep_in_memory=2, "
+            f"{args.size_gib:g} GiB in {args.tensors} tensors, "
+            f"io_threads={store.io_threads}, keep_in_memory=2, "
             f"{args.gap:g} s between saves"
         )
         print(f"| save | memcpy s | {'save' if args.sync else 'async_save'} blocking s | ratio |")

@@ -237,7 +237,8 @@ def zero_(sd: dict[str, Any]) -> None:
 
 
 def thread_bins(src: list[torch.Tensor], threads: int) -> tuple[list[Placement], list[int], list[list[int]]]:
-    """The store's split of ``src`` over ``threads`` files: placements, file sizes, tensor indices per file."""
+    """The store's split of ``src`` over ``threads`` files: placements, file sizes, tensor indices per
+    file."""
     placements, file_sizes = pack([t.numel() * t.element_size() for t in src], threads)
     bins: list[list[int]] = [[] for _ in file_sizes]
     for i, p in enumerate(placements):
@@ -621,7 +622,8 @@ def rows(res: ConfigResult) -> list[dict[str, Any]]:
 def format_table(res: ConfigResult, reps: int) -> str:
     """A Markdown table of one configuration."""
     head = (
-        f"{res.ranks} rank(s): {res.bytes_per_rank * res.ranks / GIB:.2f} GiB, {res.tensors} tensors per rank "
+        f"{res.ranks} rank(s): {res.bytes_per_rank * res.ranks / GIB:.2f} GiB, "
+        f"{res.tensors} tensors per rank "
         f"({res.bytes_per_rank / GIB:.2f} GiB per rank), io_threads={res.io_threads} and "
         f"torch threads={res.torch_threads} per rank; median [min-max] of {reps} reps"
     )
@@ -693,8 +695,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--warmup-saves",
         type=int,
         default=6,
-        help="saves before steady state is timed (6: a new shard file is written with pwrite and mapped on its "
-        "first reuse, so with keep_in_memory=2 every file is mapped from the 6th save on)",
+        help="saves before steady state is timed (6: a new shard file is written with pwrite and mapped "
+        "on its first reuse, so with keep_in_memory=2 every file is mapped from the 6th save on)",
     )
     p.add_argument("--io-threads", type=int, default=None, help="MemStore io_threads (the store's default)")
     p.add_argument("--quick", action="store_true", help="smoke run: 64 MiB, 20 tensors, 2 reps")

@@ -28,9 +28,10 @@ writer processes per rank), the store's ``io_threads`` (cores per local rank, at
 on, the store stages into the files of evicted checkpoints, already allocated, as in a training job; the
 blocking time of the very first save, which allocates new tmpfs files, and for torch_dist starts a
 multiprocessing manager for its results queue, is reported on its own), then ``--reps`` rounds, each
-timing both strategies (the order alternating). Median [min-max] over the rounds, the slowest rank's wall time; ``CPU s`` is the CPU
-time of all ranks and of their reaped child processes (the forked writers); GB/s counts all ranks' bytes
-(1 GB = 1e9 B); ``ratio`` is the baseline's median time over this row's (above 1: this row is faster).
+timing both strategies (the order alternating). Median [min-max] over the rounds, the slowest rank's wall
+time; ``CPU s`` is the CPU time of all ranks and of their reaped child processes (the forked writers);
+GB/s counts all ranks' bytes (1 GB = 1e9 B); ``ratio`` is the baseline's median time over this row's
+(above 1: this row is faster).
 
 Megatron calls CUDA-only functions on its async path (``tests/megatron/cuda_shim.py``); on a machine
 without CUDA that shim is applied in the benchmark's processes.
@@ -240,7 +241,8 @@ def table(meta: dict[str, Any], ms: dict[str, Measurement], reps: int) -> str:
     head = (
         f"{meta['ranks']} rank(s): {meta['bytes_per_rank'] * meta['ranks'] / GIB:.2f} GiB, {meta['tensors']} "
         f"tensors per rank; memstore io_threads={meta['io_threads']}, torch_dist "
-        f"thread_count={meta['torch_dist_thread_count']}; median [min-max] of {reps} rounds (first save: one save)"
+        f"thread_count={meta['torch_dist_thread_count']}; median [min-max] of {reps} rounds "
+        "(first save: one save)"
     )
     cols = ["operation", "seconds", "GB/s", "CPU s", "ratio (baseline / this)"]
     body = []
@@ -315,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(raw["meta"], ms, args.reps))
     wall, load_after = time.perf_counter() - started, os.getloadavg()
     print(
-        f"\nwall time {wall:.0f} s; load average (1/5/15 min) before {'/'.join(f'{x:.2f}' for x in load_before)}, "
+        f"\nwall time {wall:.0f} s; load average (1/5/15 min) "
+        f"before {'/'.join(f'{x:.2f}' for x in load_before)}, "
         f"after {'/'.join(f'{x:.2f}' for x in load_after)}"
     )
     if args.json:

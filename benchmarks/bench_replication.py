@@ -24,26 +24,27 @@ process (this script, outside the namespaces) only drives them: JSON lines on th
 
 Files go one TCP connection per file, ``--streams`` files at a time (the same for ours and the raw socket).
 Each repetition times every operation once, the order alternating between repetitions (ours first in even
-ones, last in odd ones), after one untimed warm-up round (connections, imports, the reused files faulted in). Destinations
-are deleted (untimed) before every operation, so each one writes into new tmpfs pages as a real transfer
-does. Reported: median [min-max] of ``--repeats`` repetitions of the time, GB/s (1 GB = 1e9 B), the CPU
-seconds of node A's and node B's process, and per repetition ours/raw GB/s (same repetition, same
-conditions), median [min-max]; target >= 0.80 (judged on the median). "by CPU s" repeats the comparison
-with the two processes' CPU seconds (steadier on a shared machine; approximate, as the kernel charges
-veth/TCP work to whichever process runs when it happens).
+ones, last in odd ones), after one untimed warm-up round (connections, imports, the reused files faulted
+in). Destinations are deleted (untimed) before every operation, so each one writes into new tmpfs pages as
+a real transfer does. Reported: median [min-max] of ``--repeats`` repetitions of the time, GB/s (1 GB =
+1e9 B), the CPU seconds of node A's and node B's process, and per repetition ours/raw GB/s (same
+repetition, same conditions), median [min-max]; target >= 0.80 (judged on the median). "by CPU s" repeats
+the comparison with the two processes' CPU seconds (steadier on a shared machine; approximate, as the
+kernel charges veth/TCP work to whichever process runs when it happens).
 
 3. **Training-step time, replication on vs off** (``--step-time``; needs MemStore's replication API,
-   ``replicas=`` and ``wait_replicated``: skipped with a message where the installed package lacks it): a 2-node torchrun job
-   (``Cluster.torchrun``, 1 rank per node, gloo over the veth, CPU) trains an MLP (bench_persist's Trainer,
-   wrapped in DistributedDataParallel) for ``--steps`` steps after ``--warmup-steps``; every ``--every``
-   steps the parameters and momentum buffers, as DTensors sharded on dim 0 (each node saves half, as an
-   FSDP job would), are saved with ``dcp.async_save`` through ``MemoryStorageWriter(MemStore(root, job_id,
-   replicas=R))`` on a process group of its own; the previous save's future is waited for just before the
-   next save. Once with ``R=1`` (replication on) and once with ``R=0`` (off), ``--step-reps`` times in
-   alternating order. Reported: mean (and median, p90) step time, the slowest rank's per step, and the
-   on/off ratio of the means; each rank's CPU seconds over the timed loop (training, staging and, when
-   on, replication); with replication on, how long ``store.wait_replicated`` of the last checkpoint took
-   after the loop and its ``store.status(id).replication``. ``--skip-transfers`` runs part 3 alone.
+   ``replicas=`` and ``wait_replicated``: skipped with a message where the installed package lacks it): a
+   2-node torchrun job (``Cluster.torchrun``, 1 rank per node, gloo over the veth, CPU) trains an MLP
+   (bench_persist's Trainer, wrapped in DistributedDataParallel) for ``--steps`` steps after
+   ``--warmup-steps``; every ``--every`` steps the parameters and momentum buffers, as DTensors sharded on
+   dim 0 (each node saves half, as an FSDP job would), are saved with ``dcp.async_save`` through
+   ``MemoryStorageWriter(MemStore(root, job_id, replicas=R))`` on a process group of its own; the previous
+   save's future is waited for just before the next save. Once with ``R=1`` (replication on) and once with
+   ``R=0`` (off), ``--step-reps`` times in alternating order. Reported: mean (and median, p90) step time,
+   the slowest rank's per step, and the on/off ratio of the means; each rank's CPU seconds over the timed
+   loop (training, staging and, when on, replication); with replication on, how long
+   ``store.wait_replicated`` of the last checkpoint took after the loop and its
+   ``store.status(id).replication``. ``--skip-transfers`` runs part 3 alone.
 
 This is a noisy 2-vCPU VM: nothing is pinned, and the two nodes' processes, the kernel's TCP/veth work and
 this script share both cores, so every figure is a median with its spread, and the CPU columns say where the
@@ -112,7 +113,7 @@ _SIZE = struct.Struct(">Q")
 RAW_RECV_NEW, RAW_RECV_REUSE, RAW_SEND = 1, 2, 3
 
 
-# -- the plain-socket baseline (runs in the node processes) ---------------------------------------------------
+# -- the plain-socket baseline (runs in the node processes) --------------------------------------------------
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -775,7 +776,8 @@ def step_table(runs: list[StepRun], args: argparse.Namespace) -> str:
     h = Trainer.width(args.ckpt_mib * MIB)
     head = (
         f"Training step time: 2 nodes x 1 rank (torchrun, gloo over veth, DDP), MLP {Trainer.LAYERS} x "
-        f"Linear({h}, {h}), SGD momentum, batch {args.batch}, {args.torch_threads} torch thread(s) per rank, state {args.ckpt_mib} MiB "
+        f"Linear({h}, {h}), SGD momentum, batch {args.batch}, {args.torch_threads} torch thread(s) per rank, "
+        f"state {args.ckpt_mib} MiB "
         f"({state:.0f} MiB saved per rank), async_save every {args.every} steps, {args.steps} timed steps "
         f"after {args.warmup_steps}; per step the slowest rank; {args.step_reps} rep(s)"
     )
@@ -969,8 +971,8 @@ def main(argv: list[str] | None = None) -> int:
     elif step_error:
         print("Training step time: FAILED (see the error above)\n")
     print(
-        f"Noisy machine: {info['cpus']} vCPUs shared, unpinned, by both nodes' processes, the kernel's veth/TCP "
-        "work and this script; figures move between runs, read them with their spread."
+        f"Noisy machine: {info['cpus']} vCPUs shared, unpinned, by both nodes' processes, "
+        "the kernel's veth/TCP work and this script; figures move between runs, read them with their spread."
     )
     print(
         f"wall time {wall:.0f} s; load average (1/5/15 min) before "

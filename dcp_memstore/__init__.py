@@ -1,10 +1,10 @@
 """dcp_memstore: an in-memory storage plugin for torch.distributed.checkpoint.
 
-``MemoryStorageWriter`` writes each rank's shards to a node-local tmpfs (through the pinned tmpfs mapping
-for GPU tensors), ``MemoryStorageReader`` reads them back zero-copy, and ``MemStore`` owns the store:
-layout, commit protocol, retention, the newest-checkpoint query, the replication of each node's files to its peers (jobs
-that span several nodes), and the background persister that flushes chosen checkpoints to object or
-file storage in the standard DCP layout.
+``MemoryStorageWriter`` writes each rank's shards to a node-local tmpfs (through the pinned tmpfs mapping for
+GPU tensors), ``MemoryStorageReader`` reads them back zero-copy, and ``MemStore`` owns the store: layout,
+commit protocol, retention, the newest-checkpoint query, the replication of each node's files to its peers
+(jobs that span several nodes), and the background persister that flushes chosen checkpoints to object or file
+storage in the standard DCP layout.
 """
 
 from dcp_memstore.dcp.reader import MemoryStorageReader

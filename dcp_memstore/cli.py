@@ -44,7 +44,8 @@ def _show(args: argparse.Namespace) -> int:
     d = store.require_checkpoint(args.checkpoint_id)
     m = Manifest.read(d / MANIFEST)
     print(
-        f"checkpoint {m.checkpoint_id}: {len(m.items)} items, {m.nbytes} bytes, written by {m.world_size} rank(s)"
+        f"checkpoint {m.checkpoint_id}: {len(m.items)} items, {m.nbytes} bytes, "
+        f"written by {m.world_size} rank(s)"
     )
     held = catalog.holds(store.layout, m.checkpoint_id)
     if held:  # e.g. "persist": owed to persistent storage, not evicted until uploaded
@@ -55,7 +56,8 @@ def _show(args: argparse.Namespace) -> int:
         for it in m.items:
             loc = it.location
             print(
-                f"  {it.fqn:<40} {loc.file:<20} @{loc.offset:<12} {loc.length:>12} B {loc.dtype or 'bytes'} {loc.shape or ''}"
+                f"  {it.fqn:<40} {loc.file:<20} @{loc.offset:<12} {loc.length:>12} B "
+                f"{loc.dtype or 'bytes'} {loc.shape or ''}"
             )
     return 0
 

@@ -108,7 +108,8 @@ class MemStore(ReplicatingStore):
             (``$TORCHELASTIC_RUN_ID``), else ``"default"``.
         keep_in_memory: committed checkpoints kept; older ones are evicted at each commit. Default 2.
         max_in_flight: async saves staged but not yet written; the next ``stage`` waits. Default 1.
-        io_threads: writer/reader threads per rank, and so shard files per rank. Default: cores per local rank, at most 4.
+        io_threads: writer/reader threads per rank, and so shard files per rank.
+            Default: cores per local rank, at most 4.
         verify_checksums: verify every item's xxh3-64 checksum when loading. Default True.
         stage_timeout_s: how long an async save waits for an earlier one before raising. Default 600.
         persist_to: where to persist checkpoints: an fsspec URL (``s3://bucket/prefix``) or a directory, in
@@ -116,7 +117,8 @@ class MemStore(ReplicatingStore):
         persist_every: persist every Nth committed checkpoint (by commit sequence number). Default None:
             only on demand (``persist(id)``) and at ``close()``.
         storage_options: passed to fsspec for ``persist_to`` (for s3fs: key, secret, client_kwargs, ...).
-        persist_on_close: at ``close()``, persist the newest checkpoint and wait for owed uploads. Default True.
+        persist_on_close: at ``close()``, persist the newest checkpoint and wait for owed uploads.
+            Default True.
         persist_backlog: what a save does when memory is full of checkpoints still owed to persistent
             storage: ``"error"`` (default: raise InsufficientSpaceError saying so) or ``"wait"`` (wait up to
             ``stage_timeout_s`` for uploads to free memory).
@@ -204,7 +206,8 @@ class MemStore(ReplicatingStore):
         self.layout.ensure()
         if not space.is_memory_backed(self.layout.root):
             warnings.warn(
-                f"MemStore root {self.layout.root} is not on a memory file system (tmpfs); checkpoints will go "
+                f"MemStore root {self.layout.root} is not on a memory file system (tmpfs); "
+                "checkpoints will go "
                 "to disk at disk speed. Use a directory under /dev/shm or another tmpfs mount.",
                 stacklevel=2,
             )
@@ -281,7 +284,8 @@ class MemStore(ReplicatingStore):
         return newest[2] if newest else None
 
     def require_checkpoint(self, checkpoint_id: str) -> Path:
-        """The directory of committed checkpoint ``checkpoint_id``; FileNotFoundError naming those that exist."""
+        """The directory of committed checkpoint ``checkpoint_id``;
+        FileNotFoundError naming those that exist."""
         cid = validate_name(checkpoint_id)
         if catalog.read_commit(self.layout, cid) is None:
             raise FileNotFoundError(
@@ -398,7 +402,8 @@ class MemStore(ReplicatingStore):
             return self._persist_status(cid)
         if st is None:
             raise FileNotFoundError(
-                f"checkpoint {cid!r} is committed in {self.layout.checkpoint_dir(cid)} but has no {MANIFEST}: "
+                f"checkpoint {cid!r} is committed in {self.layout.checkpoint_dir(cid)} "
+                f"but has no {MANIFEST}: "
                 "the store is damaged there; remove it with store.delete(id)"
             )
         return st
@@ -491,7 +496,8 @@ class MemStore(ReplicatingStore):
                     e.root,
                     e.needed,
                     e.free,
-                    f"{len(owed)} checkpoint(s) held in memory until uploaded to {self.target.url}: {owed}; {why}",
+                    f"{len(owed)} checkpoint(s) held in memory until uploaded to {self.target.url}: "
+                    f"{owed}; {why}",
                 ) from None
 
     def delete(self, checkpoint_id: str) -> None:
@@ -580,4 +586,7 @@ class MemStore(ReplicatingStore):
         self.close(timeout=0 if exc_type is not None else None)
 
     def __repr__(self) -> str:
-        return f"MemStore(root={str(self.layout.root)!r}, job_id={self.job_id!r}, keep_in_memory={self.keep_in_memory})"
+        return (
+            f"MemStore(root={str(self.layout.root)!r}, job_id={self.job_id!r}, "
+            f"keep_in_memory={self.keep_in_memory})"
+        )

@@ -244,7 +244,8 @@ def _handle_event(
         os.kill(ev["pid"], signal.SIGKILL)
         res.killed_pid, res.killed_at_step, res.killed_at = ev["pid"], ev["step"], time.monotonic()
         print(
-            f"    step {ev['step']:3d}  ** SIGKILL rank {ev['rank']} (pid {ev['pid']}) in the middle of training **",
+            f"    step {ev['step']:3d}  ** SIGKILL rank {ev['rank']} (pid {ev['pid']}) "
+            "in the middle of training **",
             flush=True,
         )
 
@@ -349,7 +350,8 @@ def _demo(args: argparse.Namespace, work: Path, t_start: float) -> int:
     steps, every, fail_at = args.steps, args.every, args.fail_at_step
     print("dcp_memstore demo: kill a training job with SIGKILL, restart it, resume from the in-memory store")
     print(
-        f"  {NPROC} ranks (torchrun, CPU, gloo), a small MLP, {steps} steps, dcp.async_save every {every} steps"
+        f"  {NPROC} ranks (torchrun, CPU, gloo), a small MLP, {steps} steps, "
+        f"dcp.async_save every {every} steps"
     )
     print(f"  store: MemStore(root='{work / 'store'}', job_id=...)  (tmpfs, removed at the end)")
     print("  '= reference': this step's loss has exactly the same float bits as in an uninterrupted run")
@@ -373,7 +375,8 @@ def _demo(args: argparse.Namespace, work: Path, t_start: float) -> int:
     survivors = wait_gone(run1.worker_pids)
     if run1.returncode == 0 or survivors:
         fail(
-            f"after the SIGKILL torchrun exited with code {run1.returncode} and workers {survivors} still run; "
+            f"after the SIGKILL torchrun exited with code {run1.returncode} "
+            f"and workers {survivors} still run; "
             "expected a failed job and no process left",
             run1,
         )
@@ -397,7 +400,8 @@ def _demo(args: argparse.Namespace, work: Path, t_start: float) -> int:
 def _verdict(
     args: argparse.Namespace, ref: RunResult, run1: RunResult, run2: RunResult, t_start: float
 ) -> int:
-    """Compare the crashed-and-resumed training with the reference run, print the table, return the exit code."""
+    """Compare the crashed-and-resumed training with the reference run, print the table, return the exit
+    code."""
     steps, every, fail_at = args.steps, args.every, args.fail_at_step
     expected_resume = ((fail_at - 1) // every) * every  # the newest checkpoint saved before the kill
     rows: list[tuple[str, str, bool]] = []
@@ -447,7 +451,8 @@ def _verdict(
     elapsed = time.monotonic() - t_start
     if all(ok for _, _, ok in rows):
         print(
-            f"PASS: killed at step {fail_at}, resumed from '{run2.resumed_from}', and the result is bit for bit "
+            f"PASS: killed at step {fail_at}, resumed from '{run2.resumed_from}', "
+            "and the result is bit for bit "
             f"the uninterrupted run's ({elapsed:.0f} s)"
         )
         return 0

@@ -1,6 +1,7 @@
-"""Train a small GPT with in-memory DCP checkpoints, SIGKILL a rank, resume, and prove the loss curve is unchanged.
+"""Train a small GPT with in-memory DCP checkpoints, SIGKILL a rank, resume,
+and prove the loss curve is unchanged.
 
-    python examples/train_gpt.py                      # the whole experiment (driver), about 35 s on 2 CPU cores
+    python examples/train_gpt.py   # the whole experiment (driver), about 35 s on 2 CPU cores
     python examples/train_gpt.py --steps 60 --every 10 --fail-at-step 37 --out /tmp/gpt
     torchrun --nproc-per-node 2 examples/train_gpt.py --root /dev/shm/gpt --job-id run1   # one training job
 
@@ -95,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--fail-at-step",
         type=int,
-        help=f"SIGKILL a rank in this step, 0: never (default: {DRIVER_FAIL_AT_STEP} in the driver, 0 under torchrun)",
+        help=f"SIGKILL a rank in this step, 0: never (default: {DRIVER_FAIL_AT_STEP} in the driver, "
+        "0 under torchrun)",
     )
     train.add_argument(
         "--fail-rank", type=int, default=1, help="the rank that kills itself (default %(default)s)"
@@ -269,7 +271,8 @@ def pick_device(choice: str, nproc: int) -> str:
 
 
 def train(args: argparse.Namespace) -> None:
-    """One rank: build, resume if the store has a checkpoint, train, checkpoint asynchronously, maybe crash."""
+    """One rank: build, resume if the store has a checkpoint, train, checkpoint asynchronously, maybe
+    crash."""
     stacks_on_sigusr1()
     make_deterministic()
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -390,7 +393,8 @@ def record_event(ev: dict[str, Any], res: GPTRun) -> None:
         res.start = ev
         if res.resumed_from is not None:
             print(
-                f"      store.latest_checkpoint() = '{res.resumed_from}': dcp.load restores model, optimizer, "
+                f"      store.latest_checkpoint() = '{res.resumed_from}': "
+                "dcp.load restores model, optimizer, "
                 f"RNG state, data position and step {res.first_step - 1}",
                 flush=True,
             )
@@ -605,7 +609,8 @@ def _experiment(args: argparse.Namespace, work: Path, device: str, t_start: floa
     backend = "nccl" if device == "cuda" else "gloo"
     print("dcp_memstore GPT example: SIGKILL a rank of a training job, resume from the in-memory store")
     print(
-        f"  {args.nproc} ranks (torchrun, DDP, {device}, {backend}), {steps} steps, global batch {args.global_batch}"
+        f"  {args.nproc} ranks (torchrun, DDP, {device}, {backend}), {steps} steps, "
+        f"global batch {args.global_batch}"
     )
     print(f"  store: MemStore(root='{work / 'store'}')  (tmpfs, removed at the end)")
     print()
@@ -616,16 +621,19 @@ def _experiment(args: argparse.Namespace, work: Path, device: str, t_start: floa
         fail_run(f"the reference run failed (exit code {ref.returncode})", ref)
     info = ref.start
     print(
-        f"      GPT: {args.n_layer} layers, {args.n_head} heads, width {args.n_embd}, context {args.block_size}, "
+        f"      GPT: {args.n_layer} layers, {args.n_head} heads, width {args.n_embd}, "
+        f"context {args.block_size}, "
         f"vocabulary {info.get('vocab')}, {info.get('params')} parameters"
     )
     print(
-        f"      done in {ref.seconds:.1f} s, loss {loss_text(ref.losses[1])} -> {loss_text(ref.losses[steps])}"
+        f"      done in {ref.seconds:.1f} s, "
+        f"loss {loss_text(ref.losses[1])} -> {loss_text(ref.losses[steps])}"
     )
     print()
 
     print(
-        f"[2/3] failing run: dcp.async_save every {every} steps (model, optimizer, RNG, step, data position); "
+        f"[2/3] failing run: dcp.async_save every {every} steps "
+        "(model, optimizer, RNG, step, data position); "
         f"rank {args.fail_rank} SIGKILLs itself at step {fail_at} (job '{JOB_ID}')"
     )
     failed = launch("failing run", JOB_ID, args, work, every, fail_at, device, args.verbose)
@@ -643,7 +651,8 @@ def _experiment(args: argparse.Namespace, work: Path, device: str, t_start: floa
     committed = MemStore(root=work / "store", job_id=JOB_ID).list_checkpoints()
     assert failed.killed_at is not None and failed.exited_at is not None
     print(
-        f"      torchrun stopped the job (exit code {failed.returncode}) {failed.exited_at - failed.killed_at:.1f} s "
+        f"      torchrun stopped the job (exit code {failed.returncode}) "
+        f"{failed.exited_at - failed.killed_at:.1f} s "
         "after the kill; no worker process left"
     )
     newest = failed.saves.index(committed[-1]) if committed and committed[-1] in failed.saves else -1
@@ -682,7 +691,8 @@ def _experiment(args: argparse.Namespace, work: Path, device: str, t_start: floa
     elapsed = time.monotonic() - t_start
     if identical:
         print(
-            f"PASS: killed at step {fail_at}, resumed from '{resumed.resumed_from}', loss curve bit-identical ({elapsed:.0f} s)"
+            f"PASS: killed at step {fail_at}, resumed from '{resumed.resumed_from}', "
+            f"loss curve bit-identical ({elapsed:.0f} s)"
         )
         return 0
     print(f"FAIL: the killed-and-resumed training differs from the reference run ({elapsed:.0f} s)")

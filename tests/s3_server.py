@@ -358,7 +358,8 @@ class SeaweedS3:
         while True:
             if self._proc.poll() is not None:
                 raise RuntimeError(
-                    f"weed mini exited with {self._proc.returncode} during startup; log tail:\n{self.log_tail()}"
+                    f"weed mini exited with {self._proc.returncode} during startup; "
+                    f"log tail:\n{self.log_tail()}"
                 )
             if time.monotonic() > deadline:
                 raise RuntimeError(

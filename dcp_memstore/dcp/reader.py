@@ -293,7 +293,8 @@ class _Read:
 
 
 def _region(stored: torch.Tensor, r: _Read) -> torch.Tensor:
-    """The part of a stored item that read ``r`` asks for (DCP resharding), checked against its destination."""
+    """The part of a stored item that read ``r`` asks for (DCP resharding), checked against its
+    destination."""
     src = narrow_tensor_by_index(stored, r.req.storage_offsets, r.req.lengths)
     if r.dst.size() != src.size():
         raise ValueError(

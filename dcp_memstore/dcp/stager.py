@@ -109,7 +109,8 @@ class Stager:
                 self._copy(originals, views, placements, files)
                 reused = sum(r for _, r in claimed)
                 log.debug(
-                    "rank %d staged %d tensors for async_save, %.3f GiB in %.3f s; shard files: %d reused, %d new",
+                    "rank %d staged %d tensors for async_save, %.3f GiB in %.3f s; "
+                    "shard files: %d reused, %d new",
                     rank,
                     len(originals),
                     sum(sizes) / (1 << 30),
@@ -157,8 +158,8 @@ class Stager:
     def _copy(
         self, src: list[torch.Tensor], dst: list[torch.Tensor], placements: list, files: list[MappedFile]
     ) -> None:
-        """GPU tensors by DMA (side stream), the others (CPU, or any other device) by ``copy_`` with one thread
-        per file; returns when done."""
+        """GPU tensors by DMA (side stream), the others (CPU, or any other device) by ``copy_`` with one
+        thread per file; returns when done."""
         gpu = [
             (src[i], dst[i], files[placements[i].bin]) for i, t in enumerate(src) if t.device.type == "cuda"
         ]
@@ -230,7 +231,8 @@ class Stager:
         if active:
             raise StagingTimeoutError(
                 f"async save waited {self.store.stage_timeout_s:.0f}s for earlier saves to finish writing "
-                f"(still in flight: {[Path(t.slot).name for t in active]}); {never_started_hint(active)}check the "
+                f"(still in flight: {[Path(t.slot).name for t in active]}); "
+                f"{never_started_hint(active)}check the "
                 "futures of earlier "
                 "dcp.async_save calls for an error, or raise MemStore(stage_timeout_s=...)"
             )

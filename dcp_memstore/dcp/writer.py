@@ -156,7 +156,8 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             _abandon_pending(self.store.layout, deque([(ticket.seq, ticket.slot, None)]))
             raise ValueError(
                 "this MemoryStorageWriter already has a staged save that has not started; give each "
-                "overlapping dcp.async_save its own MemoryStorageWriter(store), or wait for the previous future"
+                "overlapping dcp.async_save its own MemoryStorageWriter(store), "
+                "or wait for the previous future"
             )
         self._pending.append((ticket.seq, ticket.slot, here))
         return staged

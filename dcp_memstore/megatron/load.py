@@ -49,7 +49,8 @@ class MemStoreLoadStrategy(TorchDistLoadShardedStrategy):
         if loaded_backend != BACKEND:
             raise CheckpointingException(
                 f"this checkpoint was saved with sharded backend {loaded_backend!r}, not {BACKEND!r}: its "
-                "tensors are files in checkpoint_dir; load it without MemStoreLoadStrategy (Megatron's default)"
+                "tensors are files in checkpoint_dir; "
+                "load it without MemStoreLoadStrategy (Megatron's default)"
             )
 
     def check_version_compatibility(self, loaded_version: int) -> None:
@@ -118,7 +119,8 @@ class StoreNeededLoadStrategy(LoadShardedStrategy):
     """Megatron's default load strategy for backend ``"dcp_memstore"`` (registered when
     ``dcp_memstore.megatron`` is imported). With it, code that only reads a checkpoint's common state
     (``dist_checkpointing.load_common_state_dict``) works as for any checkpoint; loading tensors says that
-    they are in a store and which one, since only a ``MemStoreLoadStrategy`` given that store can read them."""
+    they are in a store and which one, since only a ``MemStoreLoadStrategy`` given that store can read
+    them."""
 
     @property
     def can_handle_sharded_objects(self) -> bool:

@@ -113,7 +113,8 @@ class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
         cid: str,
     ) -> None:
         """Every rank: hand this rank's write results to the coordinator, which commits the checkpoint and
-        writes the pointer into ``checkpoint_dir``. A failure on any rank raises on every rank, uncommitted."""
+        writes the pointer into ``checkpoint_dir``. A failure on any rank raises on every rank,
+        uncommitted."""
 
         def my_results() -> list[WriteResult]:
             try:
@@ -180,7 +181,8 @@ def _plan(
 class _ResolvedData:
     """The data of each of a rank's write items, resolved in the trainer; stands in for the planner in the
     async worker. The writer only asks its planner for ``resolve_data``, and this, unlike Megatron's planner
-    (which holds tensor wrapper subclasses), pickles: staged tensors travel as the tmpfs files' descriptors."""
+    (which holds tensor wrapper subclasses), pickles: staged tensors travel as the tmpfs files'
+    descriptors."""
 
     def __init__(self, data: dict[MetadataIndex, Any]) -> None:
         self.data = data

@@ -146,7 +146,8 @@ class Persister:
         self._check_at = {cid: v for cid, v in self._check_at.items() if cid in ids}
 
     def _attempt(self, rec: catalog.CommitRecord) -> bool:
-        """Advance ``rec``'s upload if it is owed; whether it is still owed and this process may go on with it."""
+        """Advance ``rec``'s upload if it is owed;
+        whether it is still owed and this process may go on with it."""
         cid = rec.checkpoint_id
         progress = Progress(self.layout, cid)
         if not progress.owed():
@@ -258,7 +259,8 @@ class Persister:
             return
         if remote != rec:
             raise ValueError(
-                f"{self.target.url_of(rec.checkpoint_id)} already holds another checkpoint saved under the id "
+                f"{self.target.url_of(rec.checkpoint_id)} already holds another checkpoint "
+                "saved under the id "
                 f"{rec.checkpoint_id!r}; delete it there, or save under a new id"
             )
         progress.mark_persisted()

@@ -2,7 +2,8 @@
 
 ``<checkpoint>/holds/persist``      the checkpoint is owed to persistent storage (a retention hold)
 ``<checkpoint>/persist/done/<f>``   local file ``f`` is uploaded (its part record is in the bucket)
-``<checkpoint>/persist/state-<r>``  the last state rank ``r``'s persister reported (uploading, retrying, failed)
+``<checkpoint>/persist/state-<r>``  the last state rank ``r``'s persister reported (uploading, retrying,
+                                    failed)
 ``<checkpoint>/persist/PERSISTED``  published; the hold is gone
 ``<checkpoint>/persist/<f>.lock``   flock held while a process uploads ``f`` (or publishes: ``publish``)
 """

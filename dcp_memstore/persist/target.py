@@ -30,7 +30,8 @@ class PersistTarget:
     def __init__(self, persist_to: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> None:
         if not isinstance(persist_to, str | os.PathLike) or not str(persist_to):
             raise ValueError(
-                f"persist_to must be a directory or an fsspec URL such as 's3://bucket/prefix', got {persist_to!r}"
+                "persist_to must be a directory or an fsspec URL such as 's3://bucket/prefix', "
+                f"got {persist_to!r}"
             )
         if storage_options is not None and not isinstance(storage_options, dict):
             raise TypeError(f"storage_options must be a dict, got {type(storage_options).__name__}")

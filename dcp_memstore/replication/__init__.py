@@ -1,4 +1,5 @@
-"""Replication: each node's checkpoint files are pushed to a peer node, so losing a machine loses no checkpoint.
+"""Replication: each node's checkpoint files are pushed to a peer node,
+so losing a machine loses no checkpoint.
 
 This package holds the transport layer: the wire format (``wire``), request authentication (``auth``), the
 peer server that keeps replicas and serves files (``server``), and the transports that talk to it

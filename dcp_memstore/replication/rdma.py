@@ -469,7 +469,8 @@ class RdmaTransport(Transport):
                 raise ConnectionError(f"the RDMA transport was closed ({call.what} to {format_peer(peer)})")
             if now - last_progress > self.timeout_s:
                 raise TimeoutError(
-                    f"peer {format_peer(peer)}: RDMA {op} made no progress for {self.timeout_s} s ({call.what}; "
+                    f"peer {format_peer(peer)}: RDMA {op} made no progress for {self.timeout_s} s "
+                    f"({call.what}; "
                     f"{done} of {pieces} pieces completed)"
                 )
             time.sleep(pause)

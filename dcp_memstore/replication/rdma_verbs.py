@@ -3,13 +3,14 @@
 out, so the rest of the replication code never sees a pyverbs object and the tests can put a fake ``pyverbs``
 in ``sys.modules`` in place of the real one.
 
-Calls used (rdma-core's pyverbs): ``device.get_device_list()``, ``device.Context(name=)``, ``Context.query_port``,
-``Context.query_device``, ``Context.query_gid`` (and ``query_gid_type`` where it exists), ``pd.PD``,
-``cq.CQ(ctx, cqe, None, None, 0)`` and ``CQ.poll(n)``, ``qp.QPCap``, ``qp.QPInitAttr``, ``qp.QP(pd, init)``,
-``qp.QPAttr`` with ``QP.to_rtr``/``QP.to_rts``, ``addr.GID``, ``addr.GlobalRoute``, ``addr.AHAttr``,
-``mr.MR(pd, length, access, address=)``, ``wr.SGE``, ``wr.SendWR`` with ``set_wr_rdma``, ``QP.post_send``, and
-the ``IBV_*`` constants of ``pyverbs.enums``; every object is released with ``close()``. These follow
-rdma-core's pyverbs sources; they have run only against the fake in the tests, never against real pyverbs.
+Calls used (rdma-core's pyverbs): ``device.get_device_list()``, ``device.Context(name=)``,
+``Context.query_port``, ``Context.query_device``, ``Context.query_gid`` (and ``query_gid_type`` where it
+exists), ``pd.PD``, ``cq.CQ(ctx, cqe, None, None, 0)`` and ``CQ.poll(n)``, ``qp.QPCap``, ``qp.QPInitAttr``,
+``qp.QP(pd, init)``, ``qp.QPAttr`` with ``QP.to_rtr``/``QP.to_rts``, ``addr.GID``, ``addr.GlobalRoute``,
+``addr.AHAttr``, ``mr.MR(pd, length, access, address=)``, ``wr.SGE``, ``wr.SendWR`` with ``set_wr_rdma``,
+``QP.post_send``, and the ``IBV_*`` constants of ``pyverbs.enums``; every object is released with ``close()``.
+These follow rdma-core's pyverbs sources; they have run only against the fake in the tests, never against real
+pyverbs.
 """
 
 from __future__ import annotations
@@ -280,7 +281,8 @@ class Session:
             self.mr = self.device.pv.mr.MR(self.pd, length, self._access(access), address=address)
         except Exception as ex:
             raise VerbsError(
-                f"cannot register {length} bytes for RDMA on {self.device.name!r} ({access}): {ex}. A limit on "
+                f"cannot register {length} bytes for RDMA on {self.device.name!r} ({access}): "
+                f"{ex}. A limit on "
                 f"locked memory (ulimit -l) is the usual cause"
             ) from ex
         return int(self.mr.lkey), int(self.mr.rkey)

@@ -24,8 +24,8 @@ FORMAT_VERSION = 1
 @dataclass(frozen=True)
 class ShardLocation:
     """Where one stored item lives: ``length`` bytes at ``offset`` of ``file`` (a name in the checkpoint
-    directory), with their xxh3-64 checksum. Tensor items also record dtype and chunk shape so they can be viewed
-    without any other metadata."""
+    directory), with their xxh3-64 checksum. Tensor items also record dtype and chunk shape so they can be
+    viewed without any other metadata."""
 
     file: str
     offset: int

@@ -98,7 +98,8 @@ class FilePool:
             MAPPINGS.prune()
 
     def _candidates(self, size: int) -> tuple[list[os.DirEntry], list[os.DirEntry]]:
-        """Pooled files that fit ``size`` (those already mapped here first, then the tightest), and the rest."""
+        """Pooled files that fit ``size`` (those already mapped here first, then the tightest),
+        and the rest."""
         fitting, misfits = [], []
         for e in self._entries():
             st = _stat(e)

@@ -59,7 +59,8 @@ def snapshot(tree: Any) -> Any:
 
 
 def blank_like(tree: Any) -> Any:
-    """Same structure as ``tree``, tensors zeroed (or flipped for bool), other leaves set to different values."""
+    """Same structure as ``tree``, tensors zeroed (or flipped for bool), other leaves set to different
+    values."""
     if isinstance(tree, torch.Tensor):
         return ~tree.detach().clone() if tree.dtype == torch.bool else torch.zeros_like(tree)
     if isinstance(tree, dict):

@@ -1,4 +1,5 @@
-"""Corruption of stored bytes: dcp.load names the file and item; verify_checksums=False loads them as they are."""
+"""Corruption of stored bytes: dcp.load names the file and item;
+verify_checksums=False loads them as they are."""
 
 from __future__ import annotations
 

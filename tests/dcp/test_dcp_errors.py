@@ -365,7 +365,8 @@ def test_a_second_save_of_an_id_being_saved_in_this_process_is_refused(quick_sto
     t.start()
     try:
         assert planner.begun.wait(60)
-        with pytest.raises(BaseException) as ei:  # noqa: B017 - CheckpointException derives from BaseException
+        # CheckpointException derives from BaseException
+        with pytest.raises(BaseException) as ei:  # noqa: B017
             save(quick_store, _state(2), "x")
         assert "CheckpointExistsError" in str(ei.value), ei.value
         assert "'x' is being saved right now by another save in this process" in str(ei.value)
@@ -389,7 +390,8 @@ def test_a_save_of_an_id_another_running_process_is_saving_is_refused(quick_stor
         owner = {"pid": pid, "create_time": other.create_time(), "host": socket.gethostname()}
         write_record(directory / INPROGRESS, {**owner, "started": time.time()})
         (directory / "__0_0.shard").write_bytes(b"other process's data")
-        with pytest.raises(BaseException) as ei:  # noqa: B017 - CheckpointException derives from BaseException
+        # CheckpointException derives from BaseException
+        with pytest.raises(BaseException) as ei:  # noqa: B017
             save(quick_store, _state(2), "x")
         assert f"'x' is being saved right now by process {pid}" in str(ei.value), ei.value
         assert "its own job_id" in str(ei.value)

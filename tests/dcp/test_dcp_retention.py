@@ -1,4 +1,5 @@
-"""Retention and reuse through DCP: keep_in_memory, shard file reuse, list/latest order, delete, max_in_flight."""
+"""Retention and reuse through DCP: keep_in_memory, shard file reuse, list/latest order, delete,
+max_in_flight."""
 
 from __future__ import annotations
 

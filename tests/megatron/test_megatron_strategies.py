@@ -33,7 +33,10 @@ import torch.distributed as dist  # noqa: E402
 from megatron.core import dist_checkpointing as mdc  # noqa: E402
 from megatron.core.dist_checkpointing.core import CheckpointingException  # noqa: E402
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor  # noqa: E402
-from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest  # noqa: E402
+from megatron.core.dist_checkpointing.strategies.async_utils import (  # noqa: E402
+    AsyncCallsQueue,
+    AsyncRequest,
+)
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (  # noqa: E402
     FullyParallelSaveStrategyWrapper,
 )

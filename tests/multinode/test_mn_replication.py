@@ -131,7 +131,8 @@ def test_three_nodes_replicate_lose_a_node_restore_and_refuse_outsiders(cluster3
 
     assert outsider.returncode == 0, outsider.stderr
     assert json.loads(outsider.stdout.strip().splitlines()[-1]) == {
-        "ping": "auth", "stat": "auth", "get": "auth", "put": "auth", "commit": "auth", "garbage": "bad_request",
+        "ping": "auth", "stat": "auth", "get": "auth", "put": "auth", "commit": "auth",
+        "garbage": "bad_request",
     }, outsider.stderr  # fmt: skip
     for i, evs in enumerate(saved):
         assert [e["replicas"] for e in of(evs, "replicated")] == [{f"node{(i + 1) % 3}": "replicated"}] * 2

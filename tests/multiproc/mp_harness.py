@@ -254,7 +254,8 @@ def _write(path: Path, data: bytes) -> None:
 
 
 def make_tensor(seed: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Deterministic data; float tensors also hold NaN, -0.0 and +-inf so only a bit-exact copy compares equal."""
+    """Deterministic data; float tensors also hold NaN, -0.0 and +-inf so only a bit-exact copy compares
+    equal."""
     g = torch.Generator().manual_seed(seed)
     if dtype.is_floating_point:
         t = (torch.randn(shape, generator=g, dtype=torch.float64) * 1000).to(dtype)
@@ -267,7 +268,8 @@ def make_tensor(seed: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.
 
 
 def assert_bit_equal(actual: Any, expected: Any, what: str) -> None:
-    """Fail unless ``actual`` and ``expected`` (nested dicts of tensors and plain values) are bit-identical."""
+    """Fail unless ``actual`` and ``expected`` (nested dicts of tensors and plain values) are
+    bit-identical."""
     if isinstance(expected, dict):
         assert isinstance(actual, dict) and actual.keys() == expected.keys(), (
             f"{what}: keys {sorted(actual) if isinstance(actual, dict) else actual!r} != {sorted(expected)}"

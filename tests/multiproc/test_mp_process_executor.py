@@ -1,4 +1,5 @@
-"""dcp.async_save with DCP's PROCESS executor: state dicts that grow and shrink, and the sharing-strategy guard."""
+"""dcp.async_save with DCP's PROCESS executor: state dicts that grow and shrink,
+and the sharing-strategy guard."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ PARAMS = {
 
 
 def growing_state(step: int, rank: int) -> dict:
-    """Rank ``rank``'s state at save ``step`` (1-based): the groups of ``PHASES[step - 1]``, new values each step."""
+    """Rank ``rank``'s state at save ``step`` (1-based): the groups of ``PHASES[step - 1]``, new values
+    each step."""
     seed = step * 1000 + rank * 100
     groups = PHASES[step - 1]
     mine: dict = {}

@@ -70,7 +70,8 @@ import sys
 sys.modules["dcp_memstore"] = None  # stock PyTorch only
 import torch, torch.distributed.checkpoint as dcp
 expected = torch.load({str(tmp_path / "expected.pt")!r})
-out = {{"w": torch.zeros_like(expected["w"]), "b": torch.zeros_like(expected["b"]), "step": 0, "extra": {{"tag": ""}}}}
+out = {{"w": torch.zeros_like(expected["w"]), "b": torch.zeros_like(expected["b"]), \
+"step": 0, "extra": {{"tag": ""}}}}
 dcp.load(out, checkpoint_id={f"{url}/step-1"!r}, no_dist=True)  # FsspecReader, credentials from the env
 assert torch.equal(out["w"], expected["w"]) and torch.equal(out["b"], expected["b"])
 assert out["step"] == expected["step"] and out["extra"] == expected["extra"], out

@@ -1,4 +1,5 @@
-"""The S3 test server itself: data goes through bit-exact, credentials are checked, data outlives a restart."""
+"""The S3 test server itself: data goes through bit-exact, credentials are checked,
+data outlives a restart."""
 
 from __future__ import annotations
 

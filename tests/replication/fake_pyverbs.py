@@ -292,8 +292,8 @@ def build_modules(fabric: Fabric) -> dict[str, types.ModuleType]:
 
     class AHAttr:
         def __init__(
-            self, dlid: int = 0, sl: int = 0, src_path_bits: int = 0, static_rate: int = 0, is_global: int = 0,
-            port_num: int = 1, gr: GlobalRoute | None = None,
+            self, dlid: int = 0, sl: int = 0, src_path_bits: int = 0, static_rate: int = 0,
+            is_global: int = 0, port_num: int = 1, gr: GlobalRoute | None = None,
         ) -> None:  # fmt: skip
             if is_global and gr is None:
                 raise FakePyverbsError("Global AH Attr is created but gr parameter is None")

@@ -1,4 +1,5 @@
-"""The commit protocol on disk: begin/commit visibility, seq order, eviction, clearing dead saves' leftovers."""
+"""The commit protocol on disk: begin/commit visibility, seq order, eviction,
+clearing dead saves' leftovers."""
 
 from __future__ import annotations
 
