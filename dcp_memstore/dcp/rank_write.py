@@ -115,7 +115,7 @@ class RankWrite:
         for part in run_parallel(lambda job: job(), jobs, self.store.io_threads):
             self.results.extend(part)
         if stager is not None:
-            gpu = any(t.device.type == "cuda" for _, t in to_copy)
+            gpu = next((t.device for _, t in to_copy if t.device.type == "cuda"), None)
             sizes = [size for _, size, _ in copy_files]
             stager.reserve_next(self.rank, sizes, gpu, ready=self._committed, unstaged=True)
         self._write_objects(objects)
@@ -175,10 +175,10 @@ class RankWrite:
         name, size, entries = spec
         fd, reused = FilePool(self.store.layout, self.rank).claim(self.dir / name, size)
         self.claimed.append(reused)
-        on_gpu = any(t.device.type == "cuda" for _, _, t in entries)
-        mf = MAPPINGS.map_fd(fd) if reused or on_gpu else None
-        if on_gpu:
-            mf.pin_for_cuda()
+        gpu = next((t.device for _, _, t in entries if t.device.type == "cuda"), None)
+        mf = MAPPINGS.map_fd(fd) if reused or gpu is not None else None
+        if gpu is not None:
+            mf.pin_for_cuda(gpu)
         out = []
         try:
             for item, off, t in entries:

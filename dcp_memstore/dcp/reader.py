@@ -255,7 +255,7 @@ class MemoryStorageReader(StorageReader):
                 continue
             src = _region(mf.tensor(loc.offset, dtype_from_name(loc.dtype), loc.shape), r)
             if r.dst.is_cuda:
-                mf.pin_for_cuda()  # host-to-device from page-locked tmpfs pages
+                mf.pin_for_cuda(r.dst.device)  # host-to-device from page-locked tmpfs pages
             r.dst.copy_(src)
 
     def _check(self, r: _Read, actual: int | None, path: Path | str) -> None:

@@ -31,7 +31,7 @@ from dcp_memstore.store.catalog import claim_owner, committed, recycle
 from dcp_memstore.store.device_copy import DeviceToHost
 from dcp_memstore.store.faults import crash_point
 from dcp_memstore.store.layout import shard_name, slot_name
-from dcp_memstore.store.mapping import MAPPINGS, MappedFile
+from dcp_memstore.store.mapping import MAPPINGS, MappedFile, cuda_index
 from dcp_memstore.store.packing import pack
 from dcp_memstore.store.pool import FilePool
 from dcp_memstore.store.reserve import Reservation
@@ -118,7 +118,7 @@ class Stager:
                     reused,
                     len(claimed) - reused,
                 )
-                gpu = any(t.device.type == "cuda" for t in originals)
+                gpu = next((t.device for t in originals if t.device.type == "cuda"), None)
                 # every rank has staged once this save's slot is written or given back (after planning)
                 self.reserve_next(rank, file_sizes, gpu, ready=lambda: not slot.exists())
                 by_id = {id(t): v for t, v in zip(originals, views, strict=True)}
@@ -192,7 +192,12 @@ class Stager:
             reservation.wait()
 
     def reserve_next(
-        self, rank: int, file_sizes: list[int], gpu: bool, ready: Callable[[], bool], unstaged: bool = False
+        self,
+        rank: int,
+        file_sizes: list[int],
+        gpu: torch.device | None,
+        ready: Callable[[], bool],
+        unstaged: bool = False,
     ) -> None:
         """Have the next save's files allocated in the background if it could not reuse an evicted
         checkpoint's: when the checkpoints committed plus the saves in flight (this one included: a staged
@@ -201,12 +206,13 @@ class Stager:
 
         Allocation begins once ``ready()`` (this save is past the point where other ranks allocate its
         files: a reservation must not take the memory a slower rank still needs for this save). One
-        reservation per job in this process: a new one stops the one before."""
+        reservation per job in this process: a new one stops the one before. With ``gpu`` (the GPU of the
+        save's tensors), the files are also page-locked for that GPU."""
         try:
             held = len(committed(self.store.layout)) + len(self._active_slots()) + int(unstaged)
             if held > self.store.keep_in_memory:
                 return
-            device = torch.cuda.current_device() if gpu else None
+            device = None if gpu is None else cuda_index(gpu)
             with self._reserve_lock:
                 if self._reservation is not None:
                     self._reservation.stop()

@@ -13,41 +13,52 @@ import os
 
 import torch
 
-from dcp_memstore.store.mapping import MappedFile
+from dcp_memstore.store.mapping import MappedFile, cuda_index
 
 CHUNK_BYTES = 32 << 20
 ENV_NO_REGISTER = "DCP_MEMSTORE_NO_HOST_REGISTER"
 
 
 class DeviceToHost:
-    """Copies GPU tensors into host views of mapped files; holds its side stream and bounce buffers."""
+    """Copies GPU tensors into host views of mapped files; holds its side streams and bounce buffers."""
 
     def __init__(self, chunk_bytes: int = CHUNK_BYTES) -> None:
         self.chunk_bytes = chunk_bytes
-        self._stream: torch.cuda.Stream | None = None
+        self._streams: dict[int, torch.cuda.Stream] = {}  # one side stream per GPU
         self._bounce: list[torch.Tensor] = []
 
     def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor, MappedFile]]) -> None:
-        """Copy each CUDA ``src`` into its host ``dst`` (a view of ``mf``); returns when all have landed."""
-        if not pairs:
-            return
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        stream = self._stream
-        stream.wait_stream(torch.cuda.current_stream())  # the values the trainer computed so far
+        """Copy each CUDA ``src`` into its host ``dst`` (a view of ``mf``); returns when all have landed.
+
+        Each GPU's copies run on that GPU's side stream, after the work already queued on its current
+        stream (the values the trainer computed so far), whichever GPU is current in this thread. Also on
+        an error, this returns only once the copies already queued are done: the caller then gives the
+        files back, and no DMA may still be writing into them."""
+        by_device: dict[int, list[tuple[torch.Tensor, torch.Tensor, MappedFile]]] = {}
+        for pair in pairs:
+            by_device.setdefault(cuda_index(pair[0].device), []).append(pair)
         force_bounce = os.environ.get(ENV_NO_REGISTER) == "1"
-        bounced = []
-        with torch.cuda.stream(stream):
-            for src, dst, mf in pairs:
-                if not force_bounce and mf.pin_for_cuda():
-                    dst.copy_(src.detach(), non_blocking=True)
-                else:
-                    bounced.append((src, dst))
-        keep_alive = []
-        if bounced:
-            keep_alive = self._through_bounce_buffers(bounced, stream)
-        stream.synchronize()
-        del keep_alive  # temporaries the side stream read from live until it is done with them
+        used: list[torch.cuda.Stream] = []
+        keep_alive: list[torch.Tensor] = []  # temporaries the side streams read from, until they are done
+        try:
+            for device, group in by_device.items():
+                stream = self._streams.get(device)
+                if stream is None:
+                    stream = self._streams[device] = torch.cuda.Stream(device)
+                stream.wait_stream(torch.cuda.current_stream(device))
+                used.append(stream)
+                bounced = []
+                with torch.cuda.stream(stream):
+                    for src, dst, mf in group:
+                        if not force_bounce and mf.pin_for_cuda(device):
+                            dst.copy_(src.detach(), non_blocking=True)
+                        else:
+                            bounced.append((src, dst))
+                if bounced:
+                    keep_alive += self._through_bounce_buffers(bounced, stream)
+        finally:
+            for stream in used:
+                stream.synchronize()
 
     def _through_bounce_buffers(
         self, pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: torch.cuda.Stream
@@ -63,7 +74,7 @@ class DeviceToHost:
         for src, dst in pairs:
             # A contiguous copy, if one is needed, is made on the stream that reads it.
             with torch.cuda.stream(stream):
-                s = src.detach().contiguous().reshape(-1).view(torch.uint8)
+                s = src.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
             sources.append(s)
             d = dst.reshape(-1).view(torch.uint8)
             for off in range(0, s.numel(), self.chunk_bytes):

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from dcp_memstore.store.threads import in_own_thread
+
 log = logging.getLogger(__name__)
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -26,6 +28,24 @@ _MADV_POPULATE_READ = 22
 _libc = ctypes.CDLL(None, use_errno=True)
 _CUDA_HOST_REGISTER_PORTABLE = 1
 _pin_warned = False
+
+
+def cuda_index(device: torch.device | int) -> int:
+    """The index of GPU ``device`` (``cuda`` without one: the current device)."""
+    d = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    return torch.cuda.current_device() if d.index is None else d.index
+
+
+def _cudart_call(device: int, name: str, *args: int) -> int:
+    """The error code of cudart function ``name(*args)``, called with ``device`` current on a thread of its
+    own (see ``MappedFile.pin_for_cuda``)."""
+
+    def call() -> int:
+        with torch.cuda.device(device):
+            err = getattr(torch.cuda.cudart(), name)(*args)
+        return int(getattr(err, "value", err))
+
+    return in_own_thread(call)
 
 
 def _populate(address: int, nbytes: int) -> None:
@@ -48,6 +68,9 @@ class MappedFile:
     size: int
     storage: torch.UntypedStorage
     host_registered: bool = False
+    pin_refused: bool = False  # the driver refused to page-lock the mapping: not asked again
+    cuda_device: int = 0  # the GPU current when the mapping was registered, and when it is unregistered
+    registered_by: int = 0  # the process that registered it
     lock: threading.Lock = field(default_factory=threading.Lock)
     address: int = 0  # where the file is mapped; set from the storage at creation
 
@@ -64,32 +87,50 @@ class MappedFile:
         """The file's current path (follows renames)."""
         return os.readlink(f"/proc/self/fd/{self.fd}")
 
-    def pin_for_cuda(self) -> bool:
+    def pin_for_cuda(self, device: torch.device | int) -> bool:
         """Page-lock the mapping for CUDA (``cudaHostRegister``, once per mapping), so device-to-host copies
         are DMA straight into tmpfs pages. Returns whether it is pinned; without CUDA, or where the driver
-        refuses, copies still work through pageable memory (one warning says why)."""
+        refuses (then it is not asked again for this mapping), copies still work through pageable memory
+        (one warning says why).
+
+        The call runs on a thread of its own with ``device`` (the GPU of the tensors copied) current: the
+        calling thread may be an I/O thread whose current device is GPU 0, where it would create a CUDA
+        context on GPU 0 in every rank's process, and a refusal leaves an error in the calling thread's CUDA
+        state that its next kernel launch would raise as its own."""
         global _pin_warned
-        if self.host_registered or not torch.cuda.is_available():
+        if self.host_registered or self.pin_refused or not torch.cuda.is_available():
             return self.host_registered
         with self.lock:
-            if not self.host_registered:
-                err = torch.cuda.cudart().cudaHostRegister(
-                    self.address, self.size, _CUDA_HOST_REGISTER_PORTABLE
+            if not (self.host_registered or self.pin_refused):
+                index = cuda_index(device)
+                err = _cudart_call(
+                    index, "cudaHostRegister", self.address, self.size, _CUDA_HOST_REGISTER_PORTABLE
                 )
-                if int(getattr(err, "value", err)) == 0:
+                if err == 0:
+                    self.cuda_device, self.registered_by = index, os.getpid()
                     self.host_registered = True
-                elif not _pin_warned:
-                    _pin_warned = True
-                    log.warning(
-                        "cudaHostRegister of a tmpfs mapping failed (%s); GPU copies use pageable memory", err
-                    )
+                else:
+                    self.pin_refused = True
+                    if not _pin_warned:
+                        _pin_warned = True
+                        log.warning(
+                            "cudaHostRegister of a tmpfs mapping failed (CUDA error %d); "
+                            "GPU copies use pageable memory",
+                            err,
+                        )
         return self.host_registered
 
     def unpin(self) -> None:
-        """Undo ``pin_for_cuda`` (before the mapping goes away)."""
-        if self.host_registered:
-            torch.cuda.cudart().cudaHostUnregister(self.address)
-            self.host_registered = False
+        """Undo ``pin_for_cuda`` (before the mapping goes away). In a forked child (Megatron's async writer)
+        the registration is the parent's, and the child cannot use CUDA: there it is only forgotten."""
+        if not self.host_registered:
+            return
+        self.host_registered = False
+        if self.registered_by != os.getpid():
+            return
+        err = _cudart_call(self.cuda_device, "cudaHostUnregister", self.address)
+        if err != 0:
+            log.warning("cudaHostUnregister of %s failed (CUDA error %d)", self.path, err)
 
     def populate(self, offset: int = 0, nbytes: int | None = None) -> None:
         """Fault in ``nbytes`` bytes of the mapping from ``offset`` (default: all of it) in one call."""
@@ -210,8 +251,10 @@ class _MappingCache:
             del self._by_key[mf.key]
         if self._by_address.get(mf.address) is mf:
             del self._by_address[mf.address]
-        mf.unpin()
-        os.close(mf.fd)
+        try:
+            mf.unpin()
+        finally:
+            os.close(mf.fd)
 
 
 MAPPINGS = _MappingCache()

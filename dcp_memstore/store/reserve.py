@@ -154,7 +154,7 @@ class Reservation:
                     # new files only: claiming from the pool would also delete its misfits
                     mf = MAPPINGS.map_fd(allocate_file(area / shard_name(self.rank, b), size), populate=False)
                     if self._fault_in(mf) and self.cuda_device is not None:
-                        mf.pin_for_cuda()
+                        mf.pin_for_cuda(self.cuda_device)
             finally:
                 recycle(self.layout, area)  # into the pool: what was allocated, also after an error
         except Exception as e:  # noqa: BLE001 - only an optimisation: the next save allocates its files

@@ -34,6 +34,28 @@ def run_parallel(fn: Callable[[Any], T], items: Iterable[Any], threads: int, poo
     return list(executor.map(fn, items))
 
 
+def in_own_thread(fn: Callable[[], T]) -> T:
+    """``fn()`` run on a new thread of its own, which ends with it; its exception is raised here.
+
+    For calls that leave per-thread state behind: CUDA's last-error state, for one, which a failed
+    ``cudaHostRegister`` sets and the next kernel launch of that thread would report as its own failure."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append((True, fn()))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller below
+            out.append((False, e))
+
+    t = threading.Thread(target=run, name="dcp_memstore_own")
+    t.start()
+    t.join()
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
+
+
 def _start_child_without_pools() -> None:
     """In a forked child (Megatron's async writer forks the trainer) none of the parent's threads exist:
     its pools would never run work, and a lock a parent thread held at the fork would never be released."""

@@ -238,10 +238,10 @@ def test_a_new_reservation_of_a_job_stops_the_one_before(shm_dir):
     store = MemStore(root=shm_dir, job_id="job", io_threads=1, keep_in_memory=4)
     stager = Stager.of(store)
     try:
-        stager.reserve_next(0, [64 << 20] * 64, False, ready=lambda: True, unstaged=True)  # 4 GiB
+        stager.reserve_next(0, [64 << 20] * 64, None, ready=lambda: True, unstaged=True)  # 4 GiB
         first = stager._reservation
         _wait_for_a_reserved_file(FilePool(store.layout, 0).dir)
-        stager.reserve_next(0, [1 << 20], False, ready=lambda: True, unstaged=True)
+        stager.reserve_next(0, [1 << 20], None, ready=lambda: True, unstaged=True)
         assert first is not None and not first._thread.is_alive()
         assert stager._reservation is not first
     finally:
