@@ -10,12 +10,15 @@ with it.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import io
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed.remote_device import _remote_device
 from torch.distributed.tensor import DTensor
 
 _ATOMS = (type(None), bool, int, float, complex, str, bytes)  # values a copy would return unchanged
@@ -64,21 +67,9 @@ def rebuild(value: Any, replace: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 def _rebuild(value: Any, replace: Callable[[torch.Tensor], torch.Tensor], copies: Iterator[Any]) -> Any:
     if isinstance(value, DTensor):
-        local = replace(value._local_tensor)
-        if local.storage_offset() == 0:
-            return _dtensor_like(value, local)
-        # A DTensor takes its local tensor's storage offset, and torch cannot pickle one whose offset is not
-        # 0 (pickle raises; DCP's PROCESS executor segfaults sending it to its checkpoint process). Staged
-        # locals are views at offsets inside shard files: build the DTensor on an empty placeholder, then
-        # give it the real local tensor.
-        dt = _dtensor_like(value, local.new_empty(0).requires_grad_(local.requires_grad))
-        dt._local_tensor = local
-        return dt
+        return _dtensor_like(value, replace(value._local_tensor))
     if isinstance(value, ShardedTensor):
-        shards = [Shard(replace(s.tensor), s.metadata) for s in value.local_shards()]
-        return ShardedTensor._init_from_local_shards_and_global_metadata(
-            shards, value.metadata(), process_group=value._process_group
-        )
+        return _sharded_like(value, [replace(s.tensor) for s in value.local_shards()])
     if isinstance(value, torch.Tensor):
         return replace(value)
     if isinstance(value, dict):  # DCP flattens mappings, so a plain dict stands in for any dict type
@@ -117,6 +108,39 @@ def _through_pickle(values: list[Any]) -> list[Any]:
 
 
 def _dtensor_like(like: DTensor, local: torch.Tensor) -> DTensor:
-    return DTensor.from_local(
-        local, like.device_mesh, like.placements, run_check=False, shape=like.size(), stride=like.stride()
+    """A DTensor with ``like``'s mesh, placements and global shape around ``local`` (a staged copy of its
+    local tensor), wherever ``local`` lives. Not ``DTensor.from_local``: that moves a local tensor onto
+    the mesh's device, which for a GPU mesh would copy the staged tensor back to the GPU.
+
+    The DTensor is made around an empty placeholder and given the real local tensor afterwards, as DCP's
+    own stager does: a DTensor takes its local tensor's storage offset, and torch cannot pickle one whose
+    offset is not 0 (pickle raises; DCP's PROCESS executor segfaults sending it to its checkpoint
+    process), while staged locals are views at offsets inside shard files."""
+    dt = DTensor(local.new_empty(0), like._spec, requires_grad=local.requires_grad)
+    dt._local_tensor = local
+    return dt
+
+
+def _sharded_like(like: ShardedTensor, locals_: list[torch.Tensor]) -> ShardedTensor:
+    """A ShardedTensor with ``like``'s global metadata around ``locals_`` (staged copies of its local
+    shards, on the CPU). Its metadata places every shard on the CPU, as ``ShardedTensor.to("cpu")`` does,
+    and says pinned if the staged shards are (views of a page-locked shard file)."""
+    pins = [torch.cuda.is_initialized() and t.is_pinned() for t in locals_]
+    if any(pins) and not all(pins):  # torch wants one pin state for all local shards: copy the pinned out
+        locals_ = [t.clone() if p else t for t, p in zip(locals_, pins, strict=True)]
+    pinned = bool(pins) and all(pins)
+    meta = copy.deepcopy(like.metadata())
+    meta.tensor_properties.pin_memory = pinned
+    for m in meta.shards_metadata:
+        m.placement = _on_cpu(m.placement)
+    shards = [
+        Shard(t, dataclasses.replace(s.metadata, placement=_on_cpu(s.metadata.placement)))
+        for s, t in zip(like.local_shards(), locals_, strict=True)
+    ]
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        shards, meta, process_group=like._process_group
     )
+
+
+def _on_cpu(placement: _remote_device | None) -> _remote_device | None:
+    return None if placement is None else _remote_device(f"rank:{placement.rank()}/cpu")

@@ -1,4 +1,5 @@
-"""dcp.async_save on 2 gloo ranks with the THREAD and PROCESS executors and plan caching, loaded bit-exact."""
+"""dcp.async_save on 2 gloo ranks with the THREAD and PROCESS executors and plan caching, loaded bit-exact;
+the state holds a DTensor and a ShardedTensor as well as plain tensors."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from mp_harness import MultiProc, assert_bit_equal, blank_like, make_tensor
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard as LocalShard
+from torch.distributed._shard.sharded_tensor import ShardedTensor, init_from_local_shards
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.device_mesh import init_device_mesh
@@ -35,6 +39,15 @@ def global_tensor(step: int) -> torch.Tensor:
     return make_tensor(step * 100 + 95, (10, 6), torch.float32)
 
 
+def sharded(full: torch.Tensor, rank: int, world: int) -> ShardedTensor:
+    """``full`` as a ShardedTensor, in row blocks, one per rank (a collective)."""
+    rows = full.shape[0] // world
+    meta = ShardMetadata([rank * rows, 0], [rows, full.shape[1]], f"rank:{rank}/cpu")
+    return init_from_local_shards(
+        [LocalShard(full[rank * rows : (rank + 1) * rows].clone(), meta)], *full.shape
+    )
+
+
 def async_saves(rank: int, world: int, root: str, executor: str, plan_caching: bool) -> dict:
     """Train in place, async-save after every step, clobber the live tensors while the save runs, wait on
     each future; then load the kept checkpoints bit-exact."""
@@ -45,6 +58,7 @@ def async_saves(rank: int, world: int, root: str, executor: str, plan_caching: b
     planner = DefaultSavePlanner(enable_plan_caching=plan_caching)
     live = expected_state(0, rank)
     live["dt"] = distribute_tensor(global_tensor(0), mesh, [Shard(0)])
+    live["st"] = sharded(global_tensor(0), rank, world)
     for step in range(1, SAVES + 1):
         # "training": the same tensor objects get new values
         for key, src in expected_state(step, rank).items():
@@ -54,6 +68,7 @@ def async_saves(rank: int, world: int, root: str, executor: str, plan_caching: b
                 for name, t in src.items():
                     live[key][name].copy_(t)
         live["dt"].to_local().copy_(distribute_tensor(global_tensor(step), mesh, [Shard(0)]).to_local())
+        live["st"].local_shards()[0].tensor.copy_(sharded(global_tensor(step), rank, world).local_tensor())
         fut = dcp.async_save(
             live,
             checkpoint_id=f"step-{step}",
@@ -65,6 +80,7 @@ def async_saves(rank: int, world: int, root: str, executor: str, plan_caching: b
             for t in live[key].values():
                 t.fill_(7)
         live["dt"].to_local().fill_(7)
+        live["st"].local_shards()[0].tensor.fill_(7)
         fut.result(timeout=120)
     listed = store.list_checkpoints()
     latest = store.latest_checkpoint()
@@ -73,8 +89,11 @@ def async_saves(rank: int, world: int, root: str, executor: str, plan_caching: b
         expected = expected_state(step, rank)
         target = blank_like(expected)
         target["dt"] = distribute_tensor(torch.zeros(10, 6), mesh, [Shard(0)])
+        target["st"] = sharded(torch.zeros(10, 6), rank, world)
         dcp.load(target, checkpoint_id=f"step-{step}", storage_reader=reader)
         assert_bit_equal(target.pop("dt").full_tensor(), global_tensor(step), f"step-{step} dt")
+        expected_st = sharded(global_tensor(step), rank, world).local_tensor()
+        assert_bit_equal(target.pop("st").local_tensor(), expected_st, f"step-{step} st")
         assert_bit_equal(target, expected, f"step-{step} rank {rank}")
     writer.close()
     return {"listed": listed, "latest": latest}
