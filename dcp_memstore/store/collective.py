@@ -22,11 +22,11 @@ def other_ranks_wait() -> bool:
 
 
 def _device(group: Any) -> torch.device:
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if dist.get_backend(group) == "nccl"
-        else torch.device("cpu")
-    )
+    """Where the group's collectives take tensors: the CPU if it has a CPU backend (``gloo``, or a
+    ``cpu:`` entry in a ``device:backend`` list), else the current GPU (``nccl`` or ``cuda:nccl`` alone)."""
+    backend = str(dist.get_backend(group))
+    on_cpu = "gloo" in backend or "cpu:" in backend or "nccl" not in backend
+    return torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
 
 
 def all_gather_records(record: Any, group: Any = None) -> list[Any]:
