@@ -1,16 +1,26 @@
-"""GPU paths: D2H staging into the pinned tmpfs mapping, sync save of CUDA tensors, H2D load. Need CUDA."""
+"""GPU paths: D2H staging into the pinned tmpfs mapping, sync save of CUDA tensors, H2D load, DTensor and
+ShardedTensor on GPU meshes, a refused registration, several GPUs. Need CUDA."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard as LocalShard
+from torch.distributed._shard.sharded_tensor import init_from_local_shards
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from dcp_memstore import MemoryStorageReader, MemoryStorageWriter, MemStore
 from dcp_memstore.store.mapping import MAPPINGS
+from dcp_memstore.store.space import allocate_file
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -72,9 +82,95 @@ def test_sync_save_of_cuda_tensors_round_trips(store):
 
 def test_bounce_buffer_path_when_registration_is_refused(store, monkeypatch):
     monkeypatch.setenv("DCP_MEMSTORE_NO_HOST_REGISTER", "1")
-    sd = {"big": torch.randn(40 << 20 >> 2, device="cuda"), "odd": torch.randn(333, 7, device="cuda")[:, ::2]}
+    sd = {
+        "big": torch.randn(40 << 20 >> 2, device="cuda"),
+        "odd": torch.randn(333, 7, device="cuda")[:, ::2],
+        "conj": torch.randn(333, dtype=torch.complex64, device="cuda").conj(),  # a view with the conj bit
+    }
     dcp.async_save(sd, checkpoint_id="d", storage_writer=MemoryStorageWriter(store), no_dist=True).result()
     out = {k: torch.zeros(v.shape, device="cuda") for k, v in sd.items()}
     dcp.load(out, checkpoint_id="d", storage_reader=MemoryStorageReader(store), no_dist=True)
     for k in sd:
         assert torch.equal(out[k], sd[k])
+
+
+def test_async_save_waits_for_gpu_work_queued_before_it(store):
+    """The side stream starts after what the trainer queued: a fill still behind a long kernel is saved."""
+    x = torch.zeros(64 << 20, device="cuda")  # 256 MiB
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU time on the current stream
+    x.fill_(3.0)  # queued behind it: not done when async_save is called
+    fut = dcp.async_save({"x": x}, checkpoint_id="q", storage_writer=MemoryStorageWriter(store), no_dist=True)
+    x.fill_(5.0)  # training goes on
+    fut.result()
+    out = {"x": torch.zeros_like(x)}
+    dcp.load(out, checkpoint_id="q", storage_reader=MemoryStorageReader(store), no_dist=True)
+    assert torch.equal(out["x"], torch.full_like(x, 3.0))
+
+
+def test_refused_registration_leaves_the_calling_thread_usable(store):
+    """A refused cudaHostRegister (here: the range is registered already) is remembered, and the CUDA error
+    it leaves does not surface in the caller's next kernel launch."""
+    path = Path(store.layout.job_dir) / "refused.bin"
+    mf = MAPPINGS.map_fd(allocate_file(path, 1 << 20))
+    err = torch.cuda.cudart().cudaHostRegister(mf.address, mf.size, 0)
+    assert int(getattr(err, "value", err)) == 0
+    try:
+        assert not mf.pin_for_cuda(torch.cuda.current_device())
+        assert mf.pin_refused
+        y = torch.ones(8, device="cuda") * 2  # a kernel launch in this thread
+        torch.cuda.synchronize()
+        assert torch.equal(y.cpu(), torch.full((8,), 2.0))
+        assert not mf.pin_for_cuda(torch.cuda.current_device())  # not asked again
+    finally:
+        torch.cuda.cudart().cudaHostUnregister(mf.address)
+        os.unlink(path)
+        MAPPINGS.prune()
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    torch.cuda.set_device(0)
+    yield
+    dist.destroy_process_group()
+
+
+def test_dtensor_and_sharded_tensor_on_gpu_stage_to_the_host(store, one_rank_group):
+    """Staging copies the local tensors of a DTensor on a GPU mesh and of a ShardedTensor placed on a GPU
+    into shard files on the host, with no copy left on the GPU, and the save loads back bit for bit."""
+    mesh = init_device_mesh("cuda", (1,))
+    full = torch.randn(4096, 1024, device="cuda")  # 16 MiB
+    meta = ShardMetadata([0, 0], list(full.shape), "rank:0/cuda:0")
+    sd = {
+        "dt": distribute_tensor(full.clone(), mesh, [Shard(0)]),
+        "st": init_from_local_shards([LocalShard(full.clone(), meta)], *full.shape),
+    }
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    fut = dcp.async_save(sd, checkpoint_id="m", storage_writer=MemoryStorageWriter(store))
+    assert torch.cuda.memory_allocated() - before < 1 << 20  # the staged state dict holds no GPU copy
+    fut.result()
+    out = {
+        "dt": distribute_tensor(torch.zeros_like(full), mesh, [Shard(0)]),
+        "st": init_from_local_shards([LocalShard(torch.zeros_like(full), meta)], *full.shape),
+    }
+    dcp.load(out, checkpoint_id="m", storage_reader=MemoryStorageReader(store))
+    assert torch.equal(out["dt"].to_local(), full)
+    assert torch.equal(out["st"].local_tensor(), full)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tensors_on_another_gpu_than_the_current_one(store):
+    """Tensors on GPU 1 while GPU 0 is current: their copies wait for GPU 1's queued work."""
+    torch.cuda.set_device(0)
+    x = torch.zeros(64 << 20, device="cuda:1")
+    with torch.cuda.device(1):
+        torch.cuda._sleep(2_000_000_000)
+    x.fill_(4.0)  # on GPU 1's current stream, behind the sleep
+    fut = dcp.async_save(
+        {"x": x}, checkpoint_id="g1", storage_writer=MemoryStorageWriter(store), no_dist=True
+    )
+    fut.result()
+    out = {"x": torch.zeros_like(x)}
+    dcp.load(out, checkpoint_id="g1", storage_reader=MemoryStorageReader(store), no_dist=True)
+    assert torch.equal(out["x"], torch.full_like(x, 4.0))
