@@ -355,7 +355,15 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         self._forget_begun()
         self.store.commit_everywhere(record)
         self.store.after_commit()
-        catalog.clear_abandoned(layout, before=self._save_started)
+        catalog.clear_abandoned(layout, before=self._save_started, running=self._running_elsewhere())
+
+    def _running_elsewhere(self) -> set[str]:
+        """The checkpoint ids of this job that other saves of this process began and are still writing (two
+        ``dcp.save`` calls in threads, or a save next to a background one): not leftovers to clear."""
+        job = str(self.store.layout.job_dir)
+        with _begun_lock:
+            begun = [(cid, w) for (j, cid), w in _begun.items() if j == job and w is not self]
+        return {cid for cid, w in begun if w._saving_elsewhere()}
 
     def _forget_begun(self) -> None:
         """This writer's save is over (committed, or it starts another): another may take its id."""

@@ -15,6 +15,7 @@ import shutil
 import socket
 import time
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -254,10 +255,14 @@ def evict(layout: StoreLayout, keep: int) -> list[str]:
     return victims
 
 
-def clear_abandoned(layout: StoreLayout, before: float | None = None) -> list[str]:
+def clear_abandoned(
+    layout: StoreLayout, before: float | None = None, running: Collection[str] = ()
+) -> list[str]:
     """Discard uncommitted checkpoint directories whose saving process is dead, and (with ``before``) those
-    this process started before time ``before`` and never committed. Also recycles the staging slots and
-    reservation areas of dead processes and empties the trash."""
+    this process started before time ``before`` and never committed, except ``running``: the checkpoint
+    ids whose saves in this process are still writing (another thread's save, begun earlier, is not an
+    abandoned one). Also recycles the staging slots and reservation areas of dead processes and empties
+    the trash."""
     cleared = []
     try:
         entries = list(os.scandir(layout.checkpoints_dir))
@@ -271,7 +276,7 @@ def clear_abandoned(layout: StoreLayout, before: float | None = None) -> list[st
             if not _maker_alive(d):
                 shutil.rmtree(d, ignore_errors=True)
             continue
-        if (d / COMMITTED).exists():
+        if (d / COMMITTED).exists() or e.name in running:
             continue
         owner = _safe_read(d / INPROGRESS)
         if owner is None:

@@ -221,3 +221,30 @@ def test_load_by_latest_checkpoint(store):
         save(store, _state(i), f"step-{i}")
     out = load(store, _state(99), store.latest_checkpoint())
     assert_tree_equal(_state(2), out)
+
+
+@pytest.mark.parametrize("same_store", [True, False])
+def test_two_synchronous_saves_in_threads_both_commit(shm_dir, same_store):
+    """A save committing while another thread's save of this process is still writing leaves it alone."""
+    store_a = MemStore(root=shm_dir, job_id="job", io_threads=1)
+    store_b = store_a if same_store else MemStore(root=shm_dir, job_id="job", io_threads=1)
+    big = {"w": torch.arange(40 << 20, dtype=torch.int32)}
+    errors: list[BaseException] = []
+
+    def save_a() -> None:
+        try:
+            save(store_a, big, "a-1")
+        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+
+    a = threading.Thread(target=save_a)
+    a.start()
+    deadline = time.monotonic() + 30
+    while not store_a.layout.checkpoint_dir("a-1").exists():
+        assert time.monotonic() < deadline and a.is_alive(), "save a-1 never began its directory"
+        time.sleep(0.001)
+    save(store_b, {"x": torch.ones(4)}, "b-1")
+    a.join()
+    assert errors == []
+    assert sorted(store_a.list_checkpoints()) == ["a-1", "b-1"]
+    assert_tree_equal(big, load_fresh(store_a, big, "a-1"))
