@@ -24,7 +24,8 @@ def _store(args: argparse.Namespace) -> MemStore:
         raise FileNotFoundError(
             f"no dcp_memstore store for job {job!r} under {root}; check --root and --job-id"
         )
-    return MemStore(root=root, job_id=job)
+    # one io thread: the command copies nothing, and a delete then keeps one pooled file per rank
+    return MemStore(root=root, job_id=job, io_threads=1)
 
 
 def _list(args: argparse.Namespace) -> int:

@@ -458,12 +458,17 @@ class MemStore(ReplicatingStore):
         pools of reusable files, wake the replicator."""
         catalog.evict(self.layout, self.keep_in_memory)
         catalog.drop_stale_copies(self.layout)
+        self._trim_pools()
+        if self._service is not None:
+            self._service.wake()
+
+    def _trim_pools(self) -> None:
+        """Free the memory of pooled shard files beyond those the next saves reuse (``max_in_flight`` x
+        ``io_threads`` per rank): eviction and deletion move a checkpoint's files into the pools."""
         with contextlib.suppress(FileNotFoundError):
             for e in os.scandir(self.layout.pools_dir):
                 if e.name.startswith("rank") and e.name[4:].isdigit():
                     FilePool(self.layout, int(e.name[4:])).trim(keep=self.max_in_flight * self.io_threads)
-        if self._service is not None:
-            self._service.wake()
 
     def check_space(self, needed: int, rank: int) -> None:
         """Raise InsufficientSpaceError unless ``needed`` bytes fit in free space plus rank ``rank``'s pool
@@ -501,9 +506,11 @@ class MemStore(ReplicatingStore):
                 ) from None
 
     def delete(self, checkpoint_id: str) -> None:
-        """Remove a committed checkpoint from this node's store (a persisted copy stays where it is)."""
+        """Remove a committed checkpoint from this node's store and free its memory, except the shard files
+        the pools keep for the next saves (a persisted copy stays where it is)."""
         catalog.discard(self.layout, self.require_checkpoint(checkpoint_id))
         catalog.drop_copies(self.layout, validate_name(checkpoint_id))
+        self._trim_pools()
 
     # -- lifecycle -------------------------------------------------------------------------------------
 

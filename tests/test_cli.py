@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -60,3 +61,22 @@ def test_list_and_show_say_which_checkpoints_are_held(root, capsys, tmp_path):
     assert code == 0 and "held for: persist" in out
     code, out, _ = _cli(capsys, "show", "a", "--root", root, "--job-id", "j")
     assert code == 0 and "held in memory for: persist" in out
+
+
+def _tree_bytes(path: str) -> int:
+    """Bytes the files under ``path`` take in memory (what du counts)."""
+    return sum(p.stat().st_blocks * 512 for p in Path(path).rglob("*") if p.is_file())
+
+
+def test_delete_frees_the_memory_beyond_the_files_kept_for_the_next_save(root, capsys):
+    store = MemStore(root=root, job_id="j", io_threads=1)
+    for i in (1, 2):
+        sd = {"w": torch.full((2 << 20,), float(i))}  # 8 MiB each
+        dcp.save(sd, checkpoint_id=f"step-{i}", storage_writer=MemoryStorageWriter(store), no_dist=True)
+    store.close()
+    before = _tree_bytes(root)
+    for cid in ("step-1", "step-2"):
+        assert _cli(capsys, "delete", cid, "--root", root, "--job-id", "j")[0] == 0
+    # one shard file stays in the pool for the next save; the other one's memory is free
+    assert before - _tree_bytes(root) >= 8 << 20
+    assert len(list(Path(root, "j", "pool").rglob("*.shard"))) == 1
