@@ -166,12 +166,19 @@ def committed(layout: StoreLayout) -> list[CommitRecord]:
 
 def discard(layout: StoreLayout, directory: Path) -> None:
     """Make ``directory`` invisible at once (rename into trash), return its shard files to their ranks'
-    pools, and delete the rest."""
+    pools, and delete the rest. A trash directory removed under this process (``rm -rf`` of the job's
+    directory) is made again: only a ``directory`` that is gone counts as discarded already."""
     trash = layout.trash_dir / f"{directory.name}.{uuid.uuid4().hex[:8]}"
     try:
         os.rename(directory, trash)
     except FileNotFoundError:
-        return
+        if not directory.exists():
+            return  # another process discarded it first
+        layout.trash_dir.mkdir(exist_ok=True)
+        try:
+            os.rename(directory, trash)
+        except FileNotFoundError:
+            return  # discarded by another process meanwhile
     recycle(layout, trash)
 
 

@@ -4,6 +4,7 @@ clearing dead saves' leftovers."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import time
@@ -184,6 +185,18 @@ def test_discard_makes_the_checkpoint_invisible_and_is_idempotent(layout):
     assert not d.exists()
     assert _committed_ids(layout) == []
     catalog.discard(layout, d)  # already gone: nothing to do, no error
+
+
+def test_eviction_and_discard_still_work_when_the_trash_directory_was_removed(layout):
+    for i in range(3):
+        _save(layout, f"s{i}")
+    shutil.rmtree(layout.trash_dir)  # e.g. the job directory removed under a live process
+    assert catalog.evict(layout, keep=2) == ["s0"]
+    shutil.rmtree(layout.trash_dir)
+    catalog.discard(layout, layout.checkpoint_dir("s1"))
+    assert _committed_ids(layout) == ["s2"]
+    assert not layout.checkpoint_dir("s0").exists() and not layout.checkpoint_dir("s1").exists()
+    assert len(list(layout.pool_dir(0).glob(f"*{SHARD_SUFFIX}"))) == 2  # their files serve later saves
 
 
 def test_commit_marker_is_a_record_with_seq_and_size(layout):
