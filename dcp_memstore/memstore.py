@@ -216,6 +216,13 @@ class MemStore(ReplicatingStore):
         cleared = catalog.clear_abandoned(self.layout)
         if cleared:
             log.info("cleared uncommitted leftovers of dead saves: %s", cleared)
+        if self.target is None and (owed := self._owed()):
+            warnings.warn(
+                f"checkpoints {owed} in {self.layout.job_dir} are still owed to persistent storage, but this "
+                "MemStore has no persist_to: it does not upload them and evicts them like any other. To "
+                "persist them, open the store with persist_to=... before they are evicted",
+                stacklevel=2,
+            )
         self._persister = (
             Persister.acquire(self.layout, self.target, self.io_threads, self.keep_in_memory)
             if self.target is not None
@@ -456,7 +463,8 @@ class MemStore(ReplicatingStore):
         """Retention after a commit on this node: evict beyond ``keep_in_memory`` (with the replicas and
         fetched files of evicted checkpoints, and those of checkpoints this node no longer has), trim the
         pools of reusable files, wake the replicator."""
-        catalog.evict(self.layout, self.keep_in_memory)
+        # without persist_to, no upload will ever release a persist hold (one left by an earlier run)
+        catalog.evict(self.layout, self.keep_in_memory, () if self.target is not None else (PERSIST_HOLD,))
         catalog.drop_stale_copies(self.layout)
         self._trim_pools()
         if self._service is not None:
@@ -480,13 +488,18 @@ class MemStore(ReplicatingStore):
                 space.check_space(self.layout.root, needed, FilePool(self.layout, rank).reusable_bytes())
                 return
             except InsufficientSpaceError as e:
-                owed = [
-                    r.checkpoint_id
-                    for r in catalog.committed(self.layout)
-                    if Progress(self.layout, r.checkpoint_id).owed()
-                ]
+                owed = self._owed()
                 if not owed:
                     raise
+                if self.target is None:
+                    raise InsufficientSpaceError(
+                        e.root,
+                        e.needed,
+                        e.free,
+                        f"{len(owed)} checkpoint(s) kept in memory for uploads by a store with persist_to: "
+                        f"{owed}; this store has none and evicts them only after its next commit: free "
+                        "memory with store.delete(id), or open the store with persist_to=... to upload them",
+                    ) from None
                 failed = [cid for cid in owed if self.status(cid).persist == "failed"]
                 if self.persist_backlog == "wait" and len(failed) < len(owed) and time.monotonic() < deadline:
                     time.sleep(0.2)
@@ -504,6 +517,14 @@ class MemStore(ReplicatingStore):
                     f"{len(owed)} checkpoint(s) held in memory until uploaded to {self.target.url}: "
                     f"{owed}; {why}",
                 ) from None
+
+    def _owed(self) -> list[str]:
+        """The committed checkpoints owed to persistent storage (held in memory until uploaded)."""
+        return [
+            r.checkpoint_id
+            for r in catalog.committed(self.layout)
+            if Progress(self.layout, r.checkpoint_id).owed()
+        ]
 
     def delete(self, checkpoint_id: str) -> None:
         """Remove a committed checkpoint from this node's store and free its memory, except the shard files

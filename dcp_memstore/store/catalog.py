@@ -250,11 +250,14 @@ def drop_stale_copies(layout: StoreLayout, older_than_s: float = STALE_COPY_S) -
                 shutil.rmtree(d.path, ignore_errors=True)
 
 
-def evict(layout: StoreLayout, keep: int) -> list[str]:
-    """Evict all but the ``keep`` newest committed checkpoints, except those held (see ``hold``)."""
+def evict(layout: StoreLayout, keep: int, ignored_holds: Collection[str] = ()) -> list[str]:
+    """Evict all but the ``keep`` newest committed checkpoints, except those held (see ``hold``) for a
+    reason other than ``ignored_holds`` (holds that nothing in this process will ever release)."""
     recs = committed(layout)
     victims = [
-        r.checkpoint_id for r in recs[: max(0, len(recs) - keep)] if not holds(layout, r.checkpoint_id)
+        r.checkpoint_id
+        for r in recs[: max(0, len(recs) - keep)]
+        if set(holds(layout, r.checkpoint_id)) <= set(ignored_holds)
     ]
     for cid in victims:
         discard(layout, layout.checkpoint_dir(cid))

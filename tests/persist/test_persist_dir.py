@@ -248,6 +248,34 @@ def test_backlog_wait_does_not_wait_for_uploads_that_failed_for_good(small_tmpfs
         assert time.monotonic() - t0 < 120
 
 
+def test_a_store_without_persist_to_warns_of_owed_checkpoints_and_evicts_them(shm_dir, tmp_path):
+    blocked = tmp_path / "blocked"
+    blocked.write_bytes(b"")
+    with _tight_store(shm_dir, blocked) as store:
+        for i in range(3):
+            save(store, _state(i), f"s{i}")
+    with pytest.warns(UserWarning, match=r"\['s0', 's1', 's2'\].*persist_to"):
+        store = MemStore(root=shm_dir, job_id="job", keep_in_memory=1)
+    save(store, _state(3), "s3")
+    assert store.list_checkpoints() == ["s3"]  # no longer held for an upload this store never makes
+    store.close()
+
+
+def test_full_memory_of_owed_checkpoints_without_persist_to_is_a_clear_error(small_tmpfs, tmp_path):
+    blocked = tmp_path / "blocked"
+    blocked.write_bytes(b"")
+    sd = {"w": torch.randn(512, 1024)}
+    with _tight_store(small_tmpfs, blocked) as store, pytest.raises(BaseException):  # noqa: B017
+        for i in range(5):
+            save(store, sd, f"s{i}")
+    with pytest.warns(UserWarning, match="owed to persistent storage"):
+        store = MemStore(root=small_tmpfs, job_id="job", keep_in_memory=1, io_threads=1)
+    with pytest.raises(BaseException) as ei:  # noqa: B017 - DCP wraps it
+        save(store, sd, "next")
+    assert "InsufficientSpaceError" in repr(ei.value) and "store.delete(id)" in str(ei.value)
+    store.close()
+
+
 def _wait_for_failed(store: MemStore, cid: str) -> None:
     deadline = time.monotonic() + 30
     while store.status(cid).persist != "failed":
