@@ -293,6 +293,7 @@ class MemStore(ReplicatingStore):
     def require_checkpoint(self, checkpoint_id: str) -> Path:
         """The directory of committed checkpoint ``checkpoint_id``;
         FileNotFoundError naming those that exist."""
+        self.check_open()
         cid = validate_name(checkpoint_id)
         if catalog.read_commit(self.layout, cid) is None:
             raise FileNotFoundError(
@@ -378,6 +379,7 @@ class MemStore(ReplicatingStore):
     def status(self, checkpoint_id: str) -> CheckpointStatus:
         """Where ``checkpoint_id`` is: in this node's memory, its replicas on other nodes, and its upload
         state (see CheckpointStatus)."""
+        self.check_open()
         st = self._persist_status(checkpoint_id)
         if st.in_memory and self._replicating():
             files = node_files(self.layout, st.checkpoint_id)

@@ -143,6 +143,9 @@ def test_closed_store_refuses_queries_and_close_is_idempotent(store):
         store.list_checkpoints()
     with pytest.raises(RuntimeError, match="is closed"):
         store.latest_checkpoint()
+    for query in (store.status, store.wait_persisted, store.require_checkpoint, store.delete):
+        with pytest.raises(RuntimeError, match="is closed"):
+            query("early")
     with pytest.raises(BaseException, match="is closed"):  # CheckpointException derives from BaseException
         dcp.save(state, checkpoint_id="late", storage_writer=MemoryStorageWriter(store), no_dist=True)
     with pytest.raises(RuntimeError, match="is closed; make a new MemStore"):
