@@ -50,8 +50,10 @@ ENV_REPLICAS = "DCP_MEMSTORE_REPLICAS"
 
 
 def resolve_root(root: str | os.PathLike | None) -> Path:
-    """``root``, else ``$DCP_MEMSTORE_ROOT``, else /dev/shm/dcp_memstore."""
-    return Path(root if root is not None else os.environ.get(ENV_ROOT, DEFAULT_ROOT)).expanduser()
+    """``root``, else ``$DCP_MEMSTORE_ROOT``, else /dev/shm/dcp_memstore. An empty value counts as unset, as
+    for the job id: an empty string is no place for a store (it would be the current directory)."""
+    given = os.fspath(root) if root is not None else ""
+    return Path(given or os.environ.get(ENV_ROOT) or DEFAULT_ROOT).expanduser()
 
 
 def resolve_job_id(job_id: str | None) -> str:

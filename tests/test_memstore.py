@@ -6,6 +6,7 @@ import pickle
 import socket
 import subprocess
 import warnings
+from pathlib import Path
 
 import psutil
 import pytest
@@ -13,6 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_memstore import MemoryStorageReader, MemoryStorageWriter, MemStore
+from dcp_memstore.memstore import DEFAULT_ROOT, resolve_root
 from dcp_memstore.store import catalog
 from dcp_memstore.store.layout import INPROGRESS, shard_name
 from dcp_memstore.store.records import write_record
@@ -85,6 +87,15 @@ def test_defaults_come_from_the_environment(shm_dir, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
     assert MemStore().job_id == "default"
     assert MemStore(job_id="given").job_id == "given"
+
+
+def test_an_empty_root_counts_as_unset_not_as_the_current_directory(shm_dir, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DCP_MEMSTORE_ROOT", str(shm_dir))
+    assert MemStore(root="", job_id="j").root == shm_dir
+    monkeypatch.setenv("DCP_MEMSTORE_ROOT", "")
+    assert resolve_root(None) == resolve_root("") == Path(DEFAULT_ROOT)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_defaults(shm_dir):
