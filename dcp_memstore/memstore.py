@@ -68,8 +68,18 @@ def resolve_job_id(job_id: str | None) -> str:
     return validate_name(job_id, "job id")
 
 
+def _env_int(var: str, default: int, meaning: str) -> int:
+    """``$var`` as an int, ``default`` if it is unset or empty; ValueError naming the variable if it is no
+    int (``meaning`` says what it should hold)."""
+    raw = os.environ.get(var, "")
+    try:
+        return int(raw) if raw else default
+    except ValueError:
+        raise ValueError(f"${var}={raw!r} is not an int ({meaning})") from None
+
+
 def _default_io_threads() -> int:
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    local_world = _env_int("LOCAL_WORLD_SIZE", 1, "torchrun's number of ranks on this node")
     return max(1, min(4, (os.cpu_count() or 1) // max(1, local_world)))
 
 
@@ -99,6 +109,14 @@ def _positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     return value
+
+
+def _positive_seconds(name: str, value: object) -> float:
+    """``value`` as a float if it is a number > 0, else a ValueError naming the option (not the TypeError
+    a comparison of a str or None would raise)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value!r} (a number of seconds)")
+    return float(value)
 
 
 class MemStore(ReplicatingStore):
@@ -168,9 +186,7 @@ class MemStore(ReplicatingStore):
             "io_threads", io_threads if io_threads is not None else _default_io_threads()
         )
         self.verify_checksums = bool(verify_checksums)
-        if not stage_timeout_s > 0:
-            raise ValueError(f"stage_timeout_s must be > 0, got {stage_timeout_s!r}")
-        self.stage_timeout_s = float(stage_timeout_s)
+        self.stage_timeout_s = _positive_seconds("stage_timeout_s", stage_timeout_s)
         self.persist_every = None if persist_every is None else _positive_int("persist_every", persist_every)
         if persist_backlog not in ("error", "wait"):
             raise ValueError(f"persist_backlog must be 'error' or 'wait', got {persist_backlog!r}")
@@ -180,13 +196,7 @@ class MemStore(ReplicatingStore):
         if self.target is None and (persist_every is not None or storage_options is not None):
             raise ValueError("persist_every and storage_options need persist_to (a URL or directory)")
         if replicas is None:
-            raw = os.environ.get(ENV_REPLICAS, "1")
-            try:
-                replicas = int(raw)
-            except ValueError:
-                raise ValueError(
-                    f"${ENV_REPLICAS}={raw!r} is not an int (replicas per node, 0: off)"
-                ) from None
+            replicas = _env_int(ENV_REPLICAS, 1, "replicas per node, 0: off")
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
             raise ValueError(f"replicas must be an int >= 0 (0 turns replication off), got {replicas!r}")
         self.replicas = replicas
@@ -195,9 +205,7 @@ class MemStore(ReplicatingStore):
         self.transport = transport.lower()
         self._secret = None if replication_secret is None else check_secret(replication_secret)
         self.replication_bind = replication_bind
-        if not replication_timeout_s > 0:
-            raise ValueError(f"replication_timeout_s must be > 0, got {replication_timeout_s!r}")
-        self.replication_timeout_s = float(replication_timeout_s)
+        self.replication_timeout_s = _positive_seconds("replication_timeout_s", replication_timeout_s)
         root = resolve_root(root)
         self.job_id = resolve_job_id(job_id)
         if root.exists() and not root.is_dir():

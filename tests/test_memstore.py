@@ -38,6 +38,10 @@ def _commit(store, cid):
         ({"io_threads": 0}, "io_threads must be an int >= 1, got 0"),
         ({"stage_timeout_s": 0}, "stage_timeout_s must be > 0, got 0"),
         ({"stage_timeout_s": -1.0}, "stage_timeout_s must be > 0"),
+        ({"stage_timeout_s": "5"}, "stage_timeout_s must be > 0, got '5' (a number of seconds)"),
+        ({"stage_timeout_s": None}, "stage_timeout_s must be > 0, got None (a number of seconds)"),
+        ({"stage_timeout_s": float("nan")}, "stage_timeout_s must be > 0"),
+        ({"replication_timeout_s": "5"}, "replication_timeout_s must be > 0, got '5' (a number of seconds)"),
         ({"job_id": "a/b"}, "invalid job id 'a/b'"),
         ({"job_id": ".."}, "invalid job id '..'"),
         ({"job_id": ""}, "invalid job id ''"),
@@ -96,6 +100,15 @@ def test_an_empty_root_counts_as_unset_not_as_the_current_directory(shm_dir, mon
     monkeypatch.setenv("DCP_MEMSTORE_ROOT", "")
     assert resolve_root(None) == resolve_root("") == Path(DEFAULT_ROOT)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_bad_environment_variable_is_named(shm_dir, monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "x")
+    with pytest.raises(ValueError, match=r"\$LOCAL_WORLD_SIZE='x' is not an int"):
+        MemStore(root=shm_dir, job_id="j")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setenv("DCP_MEMSTORE_REPLICAS", "")  # empty: unset, as for the other variables
+    assert MemStore(root=shm_dir, job_id="j").replicas == 1
 
 
 def test_defaults(shm_dir):

@@ -27,6 +27,8 @@ def validate_name(value: object, what: str = "checkpoint id") -> str:
         reason = "it contains a path separator (a checkpoint id is a name inside the store, not a path)"
     elif ".." in value:
         reason = "it contains '..'"
+    elif value[0] in "._-":
+        reason = "it does not start with a letter or digit"
     elif not _ID_RE.fullmatch(value):
         reason = "it contains characters outside the allowed set"
     else:
