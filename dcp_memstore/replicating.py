@@ -189,9 +189,8 @@ class ReplicatingStore:
         elif phase == "prepare":
             if not directory.is_dir():
                 raise ValueError(f"no rank of this node wrote checkpoint {cid!r}")
-            Manifest.decode(
-                manifest, cid
-            )  # refuses a malformed one, or one naming files outside the checkpoint
+            # refuses a damaged or malformed one, or one naming files outside the checkpoint
+            Manifest.decode(manifest, f"the manifest of checkpoint {cid!r} from the coordinator", cid)
             write_atomic(directory / MANIFEST, manifest)
         else:  # commit
             if not (directory / MANIFEST).exists():

@@ -20,6 +20,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from dcp_memstore.store.manifest import dtype_from_name, dtype_name
+
 _MEMORY_FORMATS = {
     "contiguous": torch.contiguous_format,
     "channels_last": torch.channels_last,
@@ -28,17 +30,6 @@ _MEMORY_FORMATS = {
 }
 _MEMORY_FORMAT_NAMES = {v: k for k, v in _MEMORY_FORMATS.items()}
 _TUPLE = "__tuple__"
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r} in checkpoint metadata")
-    return dt
 
 
 def _plain(value: Any, where: str) -> Any:

@@ -18,7 +18,6 @@ import torch
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from dcp_memstore.dcp.metadata_codec import dtype_name
 from dcp_memstore.dcp.stager import Stager
 from dcp_memstore.dcp.storable import check_tensor
 from dcp_memstore.memstore import MemStore
@@ -31,7 +30,7 @@ from dcp_memstore.store.checksum import (
 )
 from dcp_memstore.store.faults import crash_point
 from dcp_memstore.store.layout import objects_name, shard_name
-from dcp_memstore.store.manifest import ShardLocation, manifest_bytes_estimate
+from dcp_memstore.store.manifest import ShardLocation, dtype_name, manifest_bytes_estimate
 from dcp_memstore.store.mapping import MAPPINGS, MappedFile
 from dcp_memstore.store.packing import ITEM_ALIGN, pack
 from dcp_memstore.store.pool import FilePool, round_up

@@ -12,11 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from dcp_memstore.dcp.metadata_codec import dtype_from_name
 from dcp_memstore.persist.framing import write_framed, write_in_pieces
 from dcp_memstore.persist.target import PersistTarget
 from dcp_memstore.store.checksum import memory_view
-from dcp_memstore.store.manifest import ManifestItem
+from dcp_memstore.store.manifest import ManifestItem, dtype_from_name
 from dcp_memstore.store.mapping import MAPPINGS
 
 BLOCK_SIZE = 16 << 20  # multipart part size: bounds the persister's memory per concurrent upload

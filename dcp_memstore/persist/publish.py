@@ -80,7 +80,7 @@ def publish(
         )
         storage[MetadataIndex(it.fqn, it.chunk_offset)] = _StorageInfo(name, p.offset, p.length)
     remote = Manifest(cid, manifest.world_size, remote_items, manifest.dcp, manifest.created)
-    target.put_atomic(target.path(cid, MANIFEST), msgpack.packb(remote.to_record()))
+    target.put_atomic(target.path(cid, MANIFEST), remote.encode())
     target.put_atomic(target.path(cid, STOCK_METADATA), pickle.dumps(decode_metadata(manifest.dcp, storage)))
     before_marker()
     target.put_atomic(target.path(cid, COMMITTED), msgpack.packb(commit.to_record()))
@@ -114,5 +114,7 @@ def remote_committed(target: PersistTarget) -> list[CommitRecord]:
 
 
 def read_remote_manifest(target: PersistTarget, checkpoint_id: str) -> Manifest:
-    """Our manifest of a persisted checkpoint (remote file names, payload offsets, checksums)."""
-    return Manifest.from_record(msgpack.unpackb(target.fs.cat_file(target.path(checkpoint_id, MANIFEST))))
+    """Our manifest of a persisted checkpoint (remote file names, payload offsets, checksums); ValueError
+    naming it if it is damaged (see ``Manifest.decode``)."""
+    data = target.fs.cat_file(target.path(checkpoint_id, MANIFEST))
+    return Manifest.decode(data, f"{target.url_of(checkpoint_id)}/{MANIFEST}", checkpoint_id)

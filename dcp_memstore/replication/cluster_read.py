@@ -67,7 +67,7 @@ class ClusterCheckpoint:
             addr = self.peers.server(node)
             try:
                 self.transport.get_file(addr, self.checkpoint_id, MANIFEST, dest_dir / MANIFEST)
-                return Manifest.read(dest_dir / MANIFEST)
+                return Manifest.read(dest_dir / MANIFEST, self.checkpoint_id)
             except (ConnectionError, TimeoutError, OSError, RuntimeError, ValueError) as e:
                 errors.append(f"{format_peer(addr)}: {e}")
         raise FileNotFoundError(

@@ -2,6 +2,12 @@
 
 Written once by the coordinator at commit. It also carries the DCP metadata in an encoded form (see
 ``dcp_memstore.dcp.metadata_codec``); the store treats that part as opaque. Nothing here is pickled.
+
+The encoded manifest (on tmpfs, sent to other nodes, in persistent storage) is a msgpack map
+``{"format": 2, "checksum": "xxh3_64", "digest": <xxh3-64 of body>, "body": <the record, msgpack>}``, and
+every decode verifies the digest before it looks at the record. Item checksums cannot catch a damaged
+manifest: a wrong dtype or shape reinterprets bytes that still hash as recorded. Format 1 had no digest and
+is refused.
 """
 
 from __future__ import annotations
@@ -13,12 +19,32 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import torch
 
-from dcp_memstore.store.checksum import ALGORITHM
+from dcp_memstore.store.checksum import ALGORITHM, checksum_bytes
 from dcp_memstore.store.ids import validate_file_name
-from dcp_memstore.store.records import decode_record, read_record, write_atomic
+from dcp_memstore.store.records import decode_record, read_capped, write_atomic
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+UNREADABLE = "this copy of the checkpoint cannot be read; load another checkpoint (store.list_checkpoints())"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name a manifest records for ``dtype`` (``float32``, ``bfloat16``, ...)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """The torch dtype a manifest's dtype name stands for; ValueError if this torch has none of that name."""
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in checkpoint metadata")
+    return dt
+
+
+def item_name(fqn: str, chunk_offset: Iterable[int] | None) -> str:
+    """How errors name a stored item: its fqn, and for one chunk of a sharded tensor where it starts."""
+    return fqn if chunk_offset is None else f"{fqn} (chunk at {tuple(chunk_offset)})"
 
 
 @dataclass(frozen=True)
@@ -72,6 +98,24 @@ class ManifestItem:
     chunk_offset: tuple[int, ...] | None
     location: ShardLocation
 
+    def check_length(self) -> None:
+        """ValueError unless a tensor item's stored length is what its dtype and shape take: a cheap
+        cross-check that the manifest describes the bytes it points at."""
+        loc = self.location
+        if loc.dtype is None:
+            return
+        if loc.shape is None:
+            raise ValueError(f"item {item_name(self.fqn, self.chunk_offset)} has a dtype but no shape")
+        numel = 1
+        for s in loc.shape:
+            numel *= s
+        needed = numel * dtype_from_name(loc.dtype).itemsize
+        if loc.length != needed or any(s < 0 for s in loc.shape):
+            raise ValueError(
+                f"item {item_name(self.fqn, self.chunk_offset)} in {loc.file} is {loc.length} bytes long, "
+                f"but {loc.dtype} of shape {list(loc.shape)} takes {needed}"
+            )
+
 
 @dataclass
 class Manifest:
@@ -80,6 +124,7 @@ class Manifest:
     items: list[ManifestItem]
     dcp: dict[str, Any]
     created: float = field(default_factory=time.time)
+    source: str = field(default="", compare=False)  # where it was decoded from (a path or URL), for errors
 
     @property
     def files(self) -> dict[str, int]:
@@ -95,9 +140,8 @@ class Manifest:
         return sum(it.location.length for it in self.items)
 
     def to_record(self) -> dict:
+        """The manifest's record (the body the encoded form carries with its digest)."""
         return {
-            "format": FORMAT_VERSION,
-            "checksum": ALGORITHM,
             "checkpoint_id": self.checkpoint_id,
             "world_size": self.world_size,
             "created": self.created,
@@ -110,10 +154,6 @@ class Manifest:
 
     @classmethod
     def from_record(cls, r: dict) -> Manifest:
-        if not isinstance(r, dict) or r.get("format") != FORMAT_VERSION or r.get("checksum") != ALGORITHM:
-            raise ValueError(
-                f"unsupported manifest (format {r.get('format') if isinstance(r, dict) else r!r})"
-            )
         items = [
             ManifestItem(
                 str(fqn), None if off is None else tuple(int(o) for o in off), ShardLocation.from_record(loc)
@@ -123,29 +163,55 @@ class Manifest:
         return cls(str(r["checkpoint_id"]), int(r["world_size"]), items, r["dcp"], float(r["created"]))
 
     def encode(self) -> bytes:
-        """The manifest as written to disk and sent to other nodes (msgpack)."""
-        return msgpack.packb(self.to_record(), use_bin_type=True)
+        """The manifest as written to disk, sent to other nodes and persisted (msgpack, with its digest)."""
+        body = msgpack.packb(self.to_record(), use_bin_type=True)
+        return msgpack.packb(
+            {"format": FORMAT_VERSION, "checksum": ALGORITHM, "digest": checksum_bytes(body), "body": body},
+            use_bin_type=True,
+        )
 
     def write(self, path: Path) -> None:
         write_atomic(path, self.encode())
 
     @classmethod
-    def decode(cls, data: bytes, checkpoint_id: str) -> Manifest:
-        """The manifest of checkpoint ``checkpoint_id`` from bytes received from a peer; ValueError if it
-        is malformed, of another checkpoint, or names a file that is not a plain name in the checkpoint."""
+    def decode(cls, data: bytes, source: str, checkpoint_id: str | None = None) -> Manifest:
+        """The manifest encoded in ``data``, read from ``source`` (a path or URL, which every error names).
+
+        ValueError if its digest does not match (any damage to it), if it is of another format, malformed,
+        of another checkpoint than ``checkpoint_id`` (when given), names a file that is not a plain name in
+        the checkpoint, or records a tensor item whose length is not what its dtype and shape take."""
         try:
-            m = cls.from_record(decode_record(data, f"the manifest of {checkpoint_id}"))
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"the manifest of {checkpoint_id} is malformed: {e}") from e
-        if m.checkpoint_id != checkpoint_id:
-            raise ValueError(f"the manifest is of checkpoint {m.checkpoint_id!r}, not {checkpoint_id!r}")
-        for f in m.files:
-            validate_file_name(f)
+            m = cls.from_record(decode_record(_verified_body(data), "its body"))
+            if checkpoint_id is not None and m.checkpoint_id != checkpoint_id:
+                raise ValueError(f"it is the manifest of {m.checkpoint_id!r}, not of {checkpoint_id!r}")
+            for f in m.files:
+                validate_file_name(f)
+            for it in m.items:
+                it.check_length()
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            problem = str(e) if type(e) is ValueError else f"{type(e).__name__}: {e}"
+            raise ValueError(f"{source}: {problem}; {UNREADABLE}") from e
+        m.source = source
         return m
 
     @classmethod
-    def read(cls, path: Path) -> Manifest:
-        try:
-            return cls.from_record(read_record(path))
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{path}: {e}") from e
+    def read(cls, path: Path, checkpoint_id: str | None = None) -> Manifest:
+        """The manifest in file ``path``; FileNotFoundError if there is none, else as ``decode``."""
+        return cls.decode(read_capped(path), str(path), checkpoint_id)
+
+
+def _verified_body(data: bytes) -> bytes:
+    """The record inside an encoded manifest, once its digest matches; ValueError saying what is wrong."""
+    envelope = decode_record(data, "it")
+    if not isinstance(envelope, dict):
+        raise ValueError(f"unsupported manifest (a {type(envelope).__name__}, not a map)")
+    fmt, algorithm = envelope.get("format"), envelope.get("checksum")
+    if fmt != FORMAT_VERSION or algorithm != ALGORITHM:
+        raise ValueError(
+            f"unsupported manifest (format {fmt!r}, checksum {algorithm!r}; this version reads format "
+            f"{FORMAT_VERSION} with {ALGORITHM}): written by another version of dcp_memstore, or damaged"
+        )
+    body, digest = envelope.get("body"), envelope.get("digest")
+    if not isinstance(body, bytes) or checksum_bytes(body) != digest:
+        raise ValueError(f"the manifest is corrupt: its {ALGORITHM} checksum does not match its contents")
+    return body

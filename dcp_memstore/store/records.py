@@ -35,14 +35,19 @@ def write_record(path: Path, record: Any) -> None:
     write_atomic(path, msgpack.packb(record, use_bin_type=True))
 
 
-def read_record(path: Path, max_bytes: int = MAX_RECORD_BYTES) -> Any:
-    """Read a msgpack record; raises FileNotFoundError if absent and ValueError if too large or malformed."""
+def read_capped(path: Path, max_bytes: int = MAX_RECORD_BYTES) -> bytes:
+    """The bytes of the record file ``path``; FileNotFoundError if absent, ValueError if it is larger than
+    ``max_bytes`` (checked before anything is read, so a huge file is never loaded into memory)."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size > max_bytes:
             raise ValueError(f"{path} is {size} bytes, more than the {max_bytes} allowed for a record")
-        data = f.read()
-    return decode_record(data, str(path))
+        return f.read()
+
+
+def read_record(path: Path, max_bytes: int = MAX_RECORD_BYTES) -> Any:
+    """Read a msgpack record; raises FileNotFoundError if absent and ValueError if too large or malformed."""
+    return decode_record(read_capped(path, max_bytes), str(path))
 
 
 def decode_record(data: bytes, what: str = "data") -> Any:
@@ -50,4 +55,4 @@ def decode_record(data: bytes, what: str = "data") -> Any:
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=False, max_bin_len=MAX_RECORD_BYTES)
     except Exception as e:  # msgpack raises several unrelated types for bad input
-        raise ValueError(f"{what} is not a valid dcp_memstore record: {e}") from e
+        raise ValueError(f"{what} is not a valid dcp_memstore record: {str(e) or type(e).__name__}") from e

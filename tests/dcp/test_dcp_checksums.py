@@ -4,7 +4,9 @@ verify_checksums=False loads them as they are."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
+import msgpack
 import pytest
 import torch
 from dcp_state import assert_tree_equal, async_save, load, load_fresh, save, snapshot
@@ -115,3 +117,57 @@ def test_unreadable_manifest_is_a_clear_error(store):
     with pytest.raises(CheckpointException) as ei:
         load(store, snapshot(sd), "c")
     assert str(manifest) in str(ei.value)
+
+
+def _small(store: MemStore) -> tuple[dict, Path]:
+    """A checkpoint 'c' of one int32 tensor, small enough to flip every bit of its manifest; returns the
+    saved values and the manifest's path."""
+    sd = {"b": torch.arange(200, dtype=torch.int32).reshape(10, 20)}
+    save(store, sd, "c")
+    return snapshot(sd), store.require_checkpoint("c") / MANIFEST
+
+
+def _edit_record(manifest: Path, edit) -> None:
+    """Apply ``edit`` to the manifest's record with msgpack, leaving its stored digest as it was."""
+    envelope = msgpack.unpackb(manifest.read_bytes())
+    record = msgpack.unpackb(envelope["body"])
+    edit(record)
+    manifest.write_bytes(msgpack.packb({**envelope, "body": msgpack.packb(record)}))
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda r: r["items"][0][2].__setitem__(5, [10, 21]),
+        lambda r: r["items"][0][2].__setitem__(4, "float32"),
+        lambda r: r["dcp"]["state_dict_metadata"]["b"]["chunks"][0].__setitem__(1, [5, 20]),
+    ],
+    ids=["stored-shape", "stored-dtype", "dcp-chunk-size"],
+)
+def test_an_edited_manifest_is_refused_naming_it(store, edit):
+    _, manifest = _small(store)
+    _edit_record(manifest, edit)
+    with pytest.raises(CheckpointException) as ei:
+        load(store, {"b": torch.zeros(10, 20, dtype=torch.int32)}, "c")
+    assert f"{manifest}: the manifest is corrupt: its xxh3_64 checksum does not match" in str(ei.value)
+
+
+def test_every_bit_flip_of_the_manifest_loads_the_saved_values_or_fails_naming_it(store):
+    expected, manifest = _small(store)
+    good = manifest.read_bytes()
+    failed = 0
+    for bit in range(len(good) * 8):
+        damaged = bytearray(good)
+        damaged[bit // 8] ^= 1 << (bit % 8)
+        manifest.write_bytes(damaged)
+        out = {"b": torch.zeros(10, 20, dtype=torch.int32)}
+        try:
+            load(store, out, "c")
+        except CheckpointException as e:
+            assert f"{manifest}: " in str(e) and "load another checkpoint" in str(e), f"bit {bit}: {e}"
+            failed += 1
+        else:
+            assert torch.equal(out["b"], expected["b"]), f"bit {bit} loaded wrong values"
+    assert failed > 0
+    manifest.write_bytes(good)
+    assert_tree_equal(expected, load(store, {"b": torch.zeros(10, 20, dtype=torch.int32)}, "c"))

@@ -13,6 +13,7 @@ import torch
 from dcp_memstore import MemStore, PersistError
 from dcp_memstore.persist.progress import Progress
 from dcp_memstore.persist.target import COMMITTED, STOCK_METADATA
+from dcp_memstore.persist.target import MANIFEST as REMOTE_MANIFEST
 from dcp_memstore.store import catalog
 from dcp_memstore.store.layout import MANIFEST
 from tests.dcp.dcp_state import assert_tree_equal, blank_like, load, save, snapshot
@@ -140,6 +141,26 @@ def test_empty_tmpfs_restores_newest_persisted_checkpoint(shm_dir, bucket_dir, t
             assert_tree_equal(sd, load(fresh, blank_like(sd), "new"))
     finally:
         subprocess.run(["rm", "-rf", str(fresh_root)], check=True)
+
+
+def test_a_damaged_persisted_manifest_is_refused_naming_it(shm_dir, bucket_dir, caplog):
+    with _pstore(shm_dir, bucket_dir, persist_every=1) as store:
+        save(store, _state(3), "c")
+        store.wait_persisted("c", timeout=60)
+    manifest = bucket_dir / "c" / REMOTE_MANIFEST
+    data = bytearray(manifest.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    manifest.write_bytes(data)
+    fresh_root = Path(str(shm_dir) + "-fresh")
+    try:
+        with (
+            MemStore(root=fresh_root, job_id="job", persist_to=str(bucket_dir)) as fresh,
+            pytest.raises(BaseException, match="'c' not found"),  # noqa: B017 - DCP wraps it
+        ):
+            load(fresh, blank_like(_state(3)), "c")
+    finally:
+        subprocess.run(["rm", "-rf", str(fresh_root)], check=True)
+    assert f"c/{REMOTE_MANIFEST}: the manifest is corrupt: its xxh3_64 checksum does not match" in caplog.text
 
 
 @pytest.mark.parametrize("damage", ["delete", "corrupt"])

@@ -8,6 +8,7 @@ import threading
 
 import msgpack
 import pytest
+import xxhash
 
 from dcp_memstore.store.manifest import FORMAT_VERSION, Manifest, ManifestItem, ShardLocation
 from dcp_memstore.store.records import read_record, write_atomic, write_record
@@ -138,28 +139,99 @@ def test_manifest_round_trip_through_disk(shm_dir):
     assert back.nbytes == 809
 
 
+def _encoded(record: object, fmt: object = FORMAT_VERSION, algorithm: str = "xxh3_64") -> bytes:
+    """``record`` as a manifest file holds it, with a digest that matches (what a writer that means it
+    would write), so only the record's content is wrong."""
+    body = msgpack.packb(record, use_bin_type=True)
+    return msgpack.packb(
+        {"format": fmt, "checksum": algorithm, "digest": xxhash.xxh3_64_intdigest(body), "body": body},
+        use_bin_type=True,
+    )
+
+
 @pytest.mark.parametrize(
-    "mutate",
+    ("encode", "reason"),
     [
-        lambda r: r.update(format=FORMAT_VERSION + 1),
-        lambda r: r.update(checksum="md5"),
-        lambda r: r.pop("items"),
-        lambda r: r.update(items=[["w", None, ["f", 0, 1]]]),
+        (lambda r: _encoded(r, fmt=FORMAT_VERSION + 1), "unsupported manifest"),
+        (lambda r: _encoded(r, algorithm="md5"), "unsupported manifest"),
+        (
+            lambda r: msgpack.packb({"format": 1, "checksum": "xxh3_64", **r}),
+            r"unsupported manifest \(format 1",
+        ),
+        (lambda r: _encoded([1, 2, 3]), "TypeError"),
+        (lambda r: _encoded({k: v for k, v in r.items() if k != "items"}), "KeyError: 'items'"),
+        (lambda r: _encoded({**r, "items": [["w", None, ["f", 0, 1]]]}), "ValueError|not enough values"),
+        (lambda r: _encoded({**r, "items": [["w", None, ["../x", 0, 1, 0, None, None]]]}), "file name"),
+        (lambda r: b"\xc1", "not a valid dcp_memstore record"),
     ],
-    ids=["future-format", "other-checksum", "missing-items", "short-location"],
+    ids=[
+        "future-format",
+        "other-checksum",
+        "format-1-without-digest",
+        "record-not-a-map",
+        "missing-items",
+        "short-location",
+        "file-outside-the-checkpoint",
+        "not-msgpack",
+    ],
 )
-def test_unusable_manifest_is_a_valueerror_naming_the_file(shm_dir, mutate):
-    r = _manifest().to_record()
-    mutate(r)
+def test_unusable_manifest_is_a_valueerror_naming_the_file_once(shm_dir, encode, reason):
     path = shm_dir / "manifest.msgpack"
-    write_record(path, r)
+    path.write_bytes(encode(_manifest().to_record()))
+    with pytest.raises(ValueError, match=reason) as ei:
+        Manifest.read(path)
+    assert str(ei.value).count(str(path)) == 1
+    assert "load another checkpoint" in str(ei.value)
+
+
+def test_every_bit_flip_of_a_manifest_is_refused_naming_it():
+    m = _manifest()
+    good = m.encode()
+    for bit in range(len(good) * 8):
+        damaged = bytearray(good)
+        damaged[bit // 8] ^= 1 << (bit % 8)
+        with pytest.raises(ValueError, match=r"^peer-copy/manifest\.msgpack: ") as ei:
+            Manifest.decode(bytes(damaged), "peer-copy/manifest.msgpack", "step-9")
+        assert "load another checkpoint" in str(ei.value), f"bit {bit}: {ei.value}"
+    assert Manifest.decode(good, "peer-copy/manifest.msgpack", "step-9") == m
+
+
+def test_a_manifest_of_another_checkpoint_is_refused():
+    with pytest.raises(ValueError, match="the manifest of 'step-9', not of 'step-10'"):
+        Manifest.decode(_manifest().encode(), "m", "step-10")
+
+
+@pytest.mark.parametrize(
+    ("location", "expected"),
+    [
+        (
+            ["__0_0.shard", 0, 400, 11, "float32", [10, 11]],
+            "is 400 bytes long, but float32 of shape [10, 11] takes 440",
+        ),
+        (
+            ["__0_0.shard", 0, 400, 11, "float64", [10, 10]],
+            "is 400 bytes long, but float64 of shape [10, 10] takes 800",
+        ),
+        (
+            ["__0_0.shard", 0, 400, 11, "float32", [-10, -10]],
+            "is 400 bytes long, but float32 of shape [-10, -10]",
+        ),
+        (["__0_0.shard", 0, 400, 11, "float32", None], "has a dtype but no shape"),
+        (["__0_0.shard", 0, 400, 11, "no_such_dtype", [10, 10]], "unknown dtype 'no_such_dtype'"),
+    ],
+    ids=["shape", "dtype", "negative-shape", "no-shape", "unknown-dtype"],
+)
+def test_item_whose_length_its_dtype_and_shape_do_not_take_is_refused_naming_file_and_item(
+    shm_dir, location, expected
+):
+    r = _manifest().to_record()
+    r["items"][0][2] = location
+    path = shm_dir / "manifest.msgpack"
+    path.write_bytes(_encoded(r))
     with pytest.raises(ValueError) as ei:
         Manifest.read(path)
-    assert str(path) in str(ei.value)
-
-
-def test_manifest_that_is_not_a_map_is_a_valueerror(shm_dir):
-    path = shm_dir / "manifest.msgpack"
-    write_record(path, [1, 2, 3])
-    with pytest.raises(ValueError, match="unsupported manifest"):
-        Manifest.read(path)
+    msg = str(ei.value)
+    assert msg.startswith(f"{path}: ")
+    assert expected in msg
+    if "unknown dtype" not in expected:
+        assert "item model.w (chunk at (0, 0))" in msg
