@@ -20,7 +20,14 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from dcp_memstore.store.manifest import dtype_from_name, dtype_name
+from dcp_memstore.store.manifest import (
+    UNREADABLE,
+    Manifest,
+    ShardLocation,
+    dtype_from_name,
+    dtype_name,
+    item_name,
+)
 
 _MEMORY_FORMATS = {
     "contiguous": torch.contiguous_format,
@@ -121,3 +128,42 @@ def decode_metadata(r: dict, storage_data: dict[MetadataIndex, Any]) -> Metadata
         ),
         version=r["version"],
     )
+
+
+def metadata_of(manifest: Manifest) -> Metadata:
+    """The DCP metadata ``manifest`` carries, with the manifest's item locations as its ``storage_data``.
+
+    ValueError naming the manifest if that metadata does not decode, or lists an item the manifest does
+    not hold or holds with another dtype or shape. Checked before anything is read: a load would otherwise
+    fail later with a bare KeyError, or fill its tensors from bytes read as the wrong dtype or shape."""
+    locations = {MetadataIndex(it.fqn, it.chunk_offset): it.location for it in manifest.items}
+    try:
+        md = decode_metadata(manifest.dcp, dict(locations))
+        for fqn, entry in md.state_dict_metadata.items():
+            _check_stored(fqn, entry, locations)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        problem = (
+            str(e) if type(e) is ValueError else f"its DCP metadata is malformed ({type(e).__name__}: {e})"
+        )
+        raise ValueError(f"{manifest.source}: {problem}; {UNREADABLE}") from e
+    return md
+
+
+def _check_stored(fqn: str, entry: Any, locations: dict[MetadataIndex, ShardLocation]) -> None:
+    """ValueError unless every item DCP's metadata lists for ``fqn`` is in ``locations`` with the dtype and
+    shape DCP's metadata gives it (none for serialised values)."""
+    if isinstance(entry, BytesStorageMetadata):
+        expected = {MetadataIndex(fqn): (None, None)}
+    else:
+        dtype = dtype_name(entry.properties.dtype)
+        expected = {MetadataIndex(fqn, c.offsets): (dtype, tuple(c.sizes)) for c in entry.chunks}
+    for index, (dtype, shape) in expected.items():
+        loc = locations.get(index)
+        name = item_name(fqn, index.offset)
+        if loc is None:
+            raise ValueError(f"DCP's metadata lists item {name}, which the manifest has no entry for")
+        if (loc.dtype, loc.shape) != (dtype, shape):
+            raise ValueError(
+                f"item {name} is stored as {loc.dtype or 'bytes'} of shape {loc.shape}, but DCP's metadata "
+                f"says {dtype or 'bytes'} of shape {shape}"
+            )

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from dcp_memstore.dcp import storable
-from dcp_memstore.dcp.metadata_codec import decode_metadata, dtype_from_name, dtype_name
+from dcp_memstore.dcp.metadata_codec import metadata_of
 from dcp_memstore.errors import ChecksumMismatchError
 from dcp_memstore.memstore import CheckpointSource, MemStore
 from dcp_memstore.store.checksum import (
@@ -38,7 +38,7 @@ from dcp_memstore.store.checksum import (
 from dcp_memstore.store.collective import other_ranks_wait
 from dcp_memstore.store.ids import is_valid_name, validate_name
 from dcp_memstore.store.layout import MANIFEST
-from dcp_memstore.store.manifest import Manifest, ShardLocation
+from dcp_memstore.store.manifest import Manifest, ShardLocation, dtype_from_name, dtype_name, item_name
 from dcp_memstore.store.mapping import MAPPINGS, MappedFile
 from dcp_memstore.store.threads import run_parallel
 
@@ -111,8 +111,9 @@ class MemoryStorageReader(StorageReader):
             manifest = src.cluster.manifest(src.fetch_dir)
         else:
             manifest = src.remote.manifest
-        self._storage_data = {MetadataIndex(it.fqn, it.chunk_offset): it.location for it in manifest.items}
-        return decode_metadata(manifest.dcp, dict(self._storage_data))
+        metadata = metadata_of(manifest)
+        self._storage_data = dict(metadata.storage_data)
+        return metadata
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -305,4 +306,4 @@ def _region(stored: torch.Tensor, r: _Read) -> torch.Tensor:
 
 
 def _item_name(index: MetadataIndex) -> str:
-    return index.fqn if index.offset is None else f"{index.fqn} (chunk at {tuple(index.offset)})"
+    return item_name(index.fqn, index.offset)

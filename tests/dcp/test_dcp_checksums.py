@@ -171,3 +171,41 @@ def test_every_bit_flip_of_the_manifest_loads_the_saved_values_or_fails_naming_i
     assert failed > 0
     manifest.write_bytes(good)
     assert_tree_equal(expected, load(store, {"b": torch.zeros(10, 20, dtype=torch.int32)}, "c"))
+
+
+@pytest.mark.parametrize(
+    ("edit", "problem"),
+    [
+        (
+            lambda r: r["items"][0][2].__setitem__(4, "float32"),
+            "item b (chunk at (0, 0)) is stored as float32 of shape (10, 20), "
+            "but DCP's metadata says int32 of shape (10, 20)",
+        ),
+        (
+            lambda r: r["dcp"]["state_dict_metadata"]["b"]["chunks"][0].__setitem__(1, [5, 20]),
+            "item b (chunk at (0, 0)) is stored as int32 of shape (10, 20), "
+            "but DCP's metadata says int32 of shape (5, 20)",
+        ),
+        (
+            lambda r: r["items"][0].__setitem__(1, [1, 0]),
+            "DCP's metadata lists item b (chunk at (0, 0)), which the manifest has no entry for",
+        ),
+        (
+            lambda r: r["dcp"]["state_dict_metadata"]["b"].pop("requires_grad"),
+            "its DCP metadata is malformed (KeyError: 'requires_grad')",
+        ),
+    ],
+    ids=["stored-dtype", "dcp-chunk-size", "chunk-offset", "missing-field"],
+)
+def test_a_manifest_whose_items_and_dcp_metadata_disagree_fails_naming_it(store, edit, problem):
+    """A manifest written that way (its digest matches): the load fails before it reads anything, naming
+    the manifest, instead of a bare KeyError or a load of bytes read as another dtype or shape."""
+    _, manifest = _small(store)
+    record = Manifest.read(manifest).to_record()
+    edit(record)
+    Manifest.from_record(record).write(manifest)
+    out = {"b": torch.zeros(10, 20, dtype=torch.int32)}
+    with pytest.raises(CheckpointException) as ei:
+        load(store, out, "c")
+    assert f"{manifest}: {problem}; this copy of the checkpoint cannot be read" in str(ei.value)
+    assert not out["b"].any()
