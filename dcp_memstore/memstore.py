@@ -35,7 +35,7 @@ from dcp_memstore.status import CheckpointStatus
 from dcp_memstore.store import catalog, space
 from dcp_memstore.store.collective import all_gather_records, dist_active
 from dcp_memstore.store.ids import validate_name
-from dcp_memstore.store.layout import MANIFEST, StoreLayout
+from dcp_memstore.store.layout import COMMITTED, MANIFEST, StoreLayout
 from dcp_memstore.store.manifest import Manifest
 from dcp_memstore.store.mapping import MAPPINGS
 from dcp_memstore.store.pool import FilePool
@@ -314,7 +314,8 @@ class MemStore(ReplicatingStore):
 
     def open_checkpoint(self, checkpoint_id: str) -> CheckpointSource:
         """Where committed checkpoint ``checkpoint_id`` can be read from; FileNotFoundError naming the
-        checkpoints that exist (in memory and persisted) if it is in no tier."""
+        checkpoints that exist (in memory and persisted) if it is in no tier. A local copy whose commit
+        marker is corrupt is passed over for another tier's copy, else its ValueError is raised."""
         self.check_open()
         cid = validate_name(checkpoint_id)
         tiers = {
@@ -322,14 +323,23 @@ class MemStore(ReplicatingStore):
             "_find_cluster": functools.partial(self._cluster_copy, cid),
             "fetch_dir": self.layout.fetched_dir(cid),
         }
-        if catalog.read_commit(self.layout, cid) is not None:
-            return CheckpointSource(cid, self.layout.checkpoint_dir(cid), **tiers)
+        damaged: ValueError | None = None
+        try:
+            if catalog.read_commit(self.layout, cid) is not None:
+                return CheckpointSource(cid, self.layout.checkpoint_dir(cid), **tiers)
+        except ValueError as e:
+            damaged = e
         cluster = self._cluster_copy(cid)
+        remote = None if cluster is not None else self._remote(cid)
+        if damaged is not None and (cluster is not None or remote is not None):
+            where = "the memory of the job's other nodes" if cluster is not None else self.target.url_of(cid)
+            log.warning("%s; reading it from %s instead", damaged, where)
         if cluster is not None:
             return CheckpointSource(cid, None, **{**tiers, "_find_cluster": lambda: cluster})
-        remote = self._remote(cid)
         if remote is not None:
             return CheckpointSource(cid, None, lambda: remote)
+        if damaged is not None:
+            raise damaged
         persisted = ""
         if self.target is not None:
             try:
@@ -540,9 +550,15 @@ class MemStore(ReplicatingStore):
 
     def delete(self, checkpoint_id: str) -> None:
         """Remove a committed checkpoint from this node's store and free its memory, except the shard files
-        the pools keep for the next saves (a persisted copy stays where it is)."""
-        catalog.discard(self.layout, self.require_checkpoint(checkpoint_id))
-        catalog.drop_copies(self.layout, validate_name(checkpoint_id))
+        the pools keep for the next saves (a persisted copy stays where it is). Also one whose commit marker
+        is corrupt: the way to free that one's memory."""
+        self.check_open()
+        cid = validate_name(checkpoint_id)
+        directory = self.layout.checkpoint_dir(cid)
+        if not (directory / COMMITTED).is_file():
+            self.require_checkpoint(cid)  # FileNotFoundError naming the checkpoints that exist
+        catalog.discard(self.layout, directory)
+        catalog.drop_copies(self.layout, cid)
         self._trim_pools()
 
     # -- lifecycle -------------------------------------------------------------------------------------

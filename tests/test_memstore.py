@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from dcp_memstore import MemoryStorageReader, MemoryStorageWriter, MemStore
 from dcp_memstore.memstore import DEFAULT_ROOT, resolve_root
 from dcp_memstore.store import catalog
-from dcp_memstore.store.layout import INPROGRESS, shard_name
+from dcp_memstore.store.layout import COMMITTED, INPROGRESS, shard_name
 from dcp_memstore.store.records import write_record
 
 
@@ -141,6 +141,28 @@ def test_delete_removes_only_that_checkpoint(store):
     assert not store.layout.checkpoint_dir("c").exists()
     with pytest.raises(FileNotFoundError, match="'c' not found"):
         store.delete("c")
+
+
+def test_a_corrupt_commit_marker_of_an_old_checkpoint_blocks_neither_resume_nor_saves(store):
+    sd = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4)}
+    for cid in ("c1", "c2"):
+        dcp.save(sd, checkpoint_id=cid, storage_writer=MemoryStorageWriter(store), no_dist=True)
+    marker = store.layout.checkpoint_dir("c1") / COMMITTED
+    marker.write_bytes(b"")
+    assert store.list_checkpoints() == ["c2"]
+    assert store.latest_checkpoint() == "c2"
+    out = {"w": torch.zeros(3, 4)}
+    dcp.load(out, checkpoint_id="c2", storage_reader=MemoryStorageReader(store), no_dist=True)
+    assert torch.equal(out["w"], sd["w"])
+    dcp.save(sd, checkpoint_id="c3", storage_writer=MemoryStorageWriter(store), no_dist=True)
+    assert store.list_checkpoints() == ["c2", "c3"]
+    with pytest.raises(ValueError, match="Checkpoint 'c1' has a corrupt commit marker") as ei:
+        dcp.load(out, checkpoint_id="c1", storage_reader=MemoryStorageReader(store), no_dist=True)
+    assert f"{marker} is not a valid dcp_memstore record" in str(ei.value)
+    assert "store.delete('c1')" in str(ei.value)
+    store.delete("c1")
+    assert not store.layout.checkpoint_dir("c1").exists()
+    assert store.list_checkpoints() == ["c2", "c3"]
 
 
 def test_a_new_store_clears_leftovers_of_dead_saves(shm_dir):

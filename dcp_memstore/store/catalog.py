@@ -10,6 +10,7 @@ an atomic rename. Only a directory with COMMITTED is a checkpoint. Eviction rena
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import socket
@@ -24,6 +25,9 @@ import psutil
 from dcp_memstore.store.layout import COMMITTED, HOLDS, INPROGRESS, OWNER, StoreLayout, name_pid, shard_rank
 from dcp_memstore.store.pool import FilePool
 from dcp_memstore.store.records import read_record, write_record
+
+log = logging.getLogger(__name__)
+_skipped: set[tuple[str, str]] = set()  # (directory, error) of corrupt checkpoints already logged
 
 
 @dataclass(frozen=True)
@@ -140,16 +144,29 @@ def commit(
 
 
 def read_commit(layout: StoreLayout, checkpoint_id: str) -> CommitRecord | None:
+    """The COMMITTED marker of ``checkpoint_id``; None if it has none (not committed, or not there).
+    ValueError naming the marker and saying what to do if the marker is corrupt."""
+    path = layout.checkpoint_dir(checkpoint_id) / COMMITTED
     try:
-        return CommitRecord.from_record(
-            checkpoint_id, read_record(layout.checkpoint_dir(checkpoint_id) / COMMITTED)
-        )
+        return CommitRecord.from_record(checkpoint_id, read_record(path))
     except (FileNotFoundError, NotADirectoryError):
         return None
+    except (KeyError, TypeError, ValueError) as e:
+        problem = (
+            str(e) if type(e) is ValueError else f"{path} is not a commit marker ({type(e).__name__}: {e})"
+        )
+        raise ValueError(
+            f"{problem}. Checkpoint {checkpoint_id!r} has a corrupt commit marker: it is left out of "
+            "list_checkpoints() and latest_checkpoint(), and retention never evicts it. Load another "
+            f"checkpoint, and free its memory with store.delete({checkpoint_id!r}) or "
+            f"`dcp-memstore delete {checkpoint_id}`"
+        ) from e
 
 
 def committed(layout: StoreLayout) -> list[CommitRecord]:
-    """Committed checkpoints, oldest first."""
+    """Committed checkpoints, oldest first. One whose commit marker is corrupt is left out (logged once per
+    process), so that one damaged checkpoint does not stop listings, resuming or saving; its directory
+    stays as it is, never evicted or reused, until the user deletes it."""
     out = []
     try:
         names = [
@@ -158,7 +175,14 @@ def committed(layout: StoreLayout) -> list[CommitRecord]:
     except FileNotFoundError:
         return []
     for name in names:
-        rec = read_commit(layout, name)
+        try:
+            rec = read_commit(layout, name)
+        except ValueError as e:
+            key = (str(layout.checkpoint_dir(name)), str(e))
+            if key not in _skipped:
+                _skipped.add(key)
+                log.warning("skipping checkpoint directory %s: %s", key[0], e)
+            continue
         if rec is not None:
             out.append(rec)
     return sorted(out, key=lambda r: r.seq)

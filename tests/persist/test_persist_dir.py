@@ -15,6 +15,7 @@ from dcp_memstore.persist.progress import Progress
 from dcp_memstore.persist.target import COMMITTED, STOCK_METADATA
 from dcp_memstore.persist.target import MANIFEST as REMOTE_MANIFEST
 from dcp_memstore.store import catalog
+from dcp_memstore.store.layout import COMMITTED as LOCAL_COMMITTED
 from dcp_memstore.store.layout import MANIFEST
 from tests.dcp.dcp_state import assert_tree_equal, blank_like, load, save, snapshot
 
@@ -179,6 +180,21 @@ def test_reader_falls_back_per_file_to_the_persisted_copy(shm_dir, bucket_dir, d
                 f.seek(0)
                 f.write(bytes([byte[0] ^ 0xFF]))
         assert_tree_equal(sd, load(store, blank_like(sd), "c"))
+
+
+def test_a_corrupt_local_commit_marker_is_passed_over_for_the_persisted_copy(shm_dir, bucket_dir, caplog):
+    sd = _state(6)
+    with _pstore(shm_dir, bucket_dir, persist_every=1) as store:
+        save(store, _state(5), "a")
+        save(store, sd, "b")
+        store.wait_persisted("b", timeout=60)
+        marker = store.layout.checkpoint_dir("b") / LOCAL_COMMITTED
+        marker.write_bytes(b"\xc1")
+        assert store.list_checkpoints() == ["a"]
+        assert store.latest_checkpoint() == "b"
+        assert_tree_equal(sd, load(store, blank_like(sd), "b"))
+    assert f"{marker} is not a valid dcp_memstore record" in caplog.text
+    assert f"reading it from {bucket_dir}/b instead" in caplog.text
 
 
 def test_damaged_local_copy_without_persisted_copy_still_fails(shm_dir, bucket_dir):

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import time
 
+import msgpack
 import psutil
 import pytest
 
@@ -227,3 +228,27 @@ def _dead_pid() -> int:
         os._exit(0)
     os.waitpid(pid, 0)
     return pid
+
+
+@pytest.mark.parametrize(
+    "marker",
+    [b"", b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"seq": 1})],
+    ids=["empty", "not-msgpack", "not-a-map", "field-missing"],
+)
+def test_a_corrupt_commit_marker_is_skipped_with_a_warning_and_never_evicted(layout, caplog, marker):
+    old = _save(layout, "old")
+    for cid in ("a", "b", "c"):
+        _save(layout, cid)
+    (old / COMMITTED).write_bytes(marker)
+    with caplog.at_level("WARNING", logger="dcp_memstore.store.catalog"):
+        assert _committed_ids(layout) == ["a", "b", "c"]
+        assert catalog.next_seq(layout) == 5
+        assert catalog.evict(layout, keep=1) == ["a", "b"]
+        assert catalog.clear_abandoned(layout) == []
+    assert old.is_dir() and (old / shard_name(0, 0)).read_bytes() == b"x" * 8192
+    (warning,) = [r for r in caplog.records if r.levelname == "WARNING"]  # once, not at every listing
+    assert f"skipping checkpoint directory {old}: {old / COMMITTED} is not a" in warning.getMessage()
+    assert "store.delete('old') or `dcp-memstore delete old`" in warning.getMessage()
+    with pytest.raises(ValueError, match="Checkpoint 'old' has a corrupt commit marker") as ei:
+        catalog.read_commit(layout, "old")
+    assert str(old / COMMITTED) in str(ei.value)
