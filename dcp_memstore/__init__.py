@@ -13,9 +13,11 @@ from dcp_memstore.errors import (
     CheckpointExistsError,
     ChecksumMismatchError,
     CommitError,
+    CorruptShardError,
     InsufficientSpaceError,
     PersistError,
     StagingTimeoutError,
+    TruncatedShardError,
 )
 from dcp_memstore.memstore import MemStore
 from dcp_memstore.status import CheckpointStatus
@@ -27,6 +29,8 @@ __all__ = [
     "MemoryStorageWriter",
     "MemoryStorageReader",
     "ChecksumMismatchError",
+    "CorruptShardError",
+    "TruncatedShardError",
     "CheckpointExistsError",
     "CommitError",
     "InsufficientSpaceError",

@@ -27,7 +27,12 @@ class InsufficientSpaceError(OSError):
         return type(self), (self.root, self.needed, self.free, self.detail)
 
 
-class ChecksumMismatchError(RuntimeError):
+class CorruptShardError(RuntimeError):
+    """A stored copy of one of a checkpoint's data files is damaged (subclasses say how). The reader reads
+    that file from another copy where there is one: another node's memory, the persisted copy."""
+
+
+class ChecksumMismatchError(CorruptShardError):
     """Stored bytes do not match the checksum recorded when they were written."""
 
     def __init__(self, path: str, item: str, expected: int, actual: int) -> None:
@@ -41,6 +46,20 @@ class ChecksumMismatchError(RuntimeError):
 
     def __reduce__(self) -> tuple:
         return type(self), (self.path, self.item, self.expected, self.actual)
+
+
+class TruncatedShardError(CorruptShardError):
+    """A data file is shorter than the checkpoint's manifest says: it was truncated or emptied."""
+
+    def __init__(self, path: str, item: str, size: int, needed: int) -> None:
+        self.path, self.item, self.size, self.needed = path, item, size, needed
+        super().__init__(
+            f"{path} is only {size} bytes long, where item {item} needs {needed}: the stored copy is "
+            f"truncated. Load another checkpoint (store.list_checkpoints())."
+        )
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.path, self.item, self.size, self.needed)
 
 
 class CheckpointExistsError(FileExistsError):

@@ -26,7 +26,7 @@ from torch.futures import Future
 
 from dcp_memstore.dcp import storable
 from dcp_memstore.dcp.metadata_codec import metadata_of
-from dcp_memstore.errors import ChecksumMismatchError
+from dcp_memstore.errors import ChecksumMismatchError, CorruptShardError, TruncatedShardError
 from dcp_memstore.memstore import CheckpointSource, MemStore
 from dcp_memstore.store.checksum import (
     checksum_bytes,
@@ -155,7 +155,7 @@ class MemoryStorageReader(StorageReader):
         if src.local_dir is not None:
             try:
                 return self._read_file(src.local_dir, reads)
-            except (FileNotFoundError, ChecksumMismatchError) as e:
+            except (FileNotFoundError, CorruptShardError) as e:
                 error = e
         if src.cluster is not None and src.cluster.has(file):
             # this node's own copy failed already: fetch from the others, and from the next holder when
@@ -168,7 +168,7 @@ class MemoryStorageReader(StorageReader):
                     if not dest.exists():
                         tried.add(src.cluster.fetch(file, dest, tried))
                     result = self._read_file(src.fetch_dir, reads)
-                except ChecksumMismatchError as e:
+                except CorruptShardError as e:
                     dest.unlink(missing_ok=True)
                     error = e
                     continue
@@ -179,8 +179,11 @@ class MemoryStorageReader(StorageReader):
                     log.warning("%s; read it from another node's memory instead", error)
                 return result
         if src.remote is None:
-            if error is None:
-                raise FileNotFoundError(f"file {file} of checkpoint {src.checkpoint_id!r} is in no tier")
+            if error is None or isinstance(error, FileNotFoundError):
+                raise FileNotFoundError(
+                    f"file {file} of checkpoint {src.checkpoint_id!r} is in no tier"
+                    f"{f' ({error})' if error else ''}; load another checkpoint (store.list_checkpoints())"
+                ) from error
             raise error
         if error is not None:
             log.warning("%s; reading it from %s instead", error, src.remote.target.url_of(src.checkpoint_id))
@@ -193,6 +196,8 @@ class MemoryStorageReader(StorageReader):
         loc = remote.locations[r.req.storage_index]
         buf, actual = remote.fetch(loc)
         r.loc = dataclasses.replace(loc, checksum=r.loc.checksum)
+        if actual is None:
+            raise _truncated(remote.describe(loc), r, remote.size(loc))
         self._check(r, actual, remote.describe(loc))
         if r.dst is None:
             r.data = bytes(memory_view(buf.data_ptr(), loc.length))
@@ -208,6 +213,7 @@ class MemoryStorageReader(StorageReader):
         the file's mapping."""
         path = directory / reads[0].loc.file
         st = os.stat(path)
+        _check_size(path, st.st_size, reads)  # an emptied or truncated file, before it is mapped
         if MAPPINGS.is_mapped((st.st_dev, st.st_ino)) or not all(r.whole() for r in reads):
             self._read_mapped(MAPPINGS.map_path(path), reads, path)
         else:
@@ -219,6 +225,8 @@ class MemoryStorageReader(StorageReader):
                         actual = checksum_bytes(r.data) if len(r.data) == r.loc.length else None
                     else:
                         actual = read_with_checksum(fd, r.loc.offset, r.dst)
+                    if actual is None:  # the file shrank while it was read
+                        raise _truncated(path, r, os.fstat(fd).st_size)
                     self._check(r, actual, path)
             finally:
                 os.close(fd)
@@ -227,25 +235,17 @@ class MemoryStorageReader(StorageReader):
     def _read_mapped(self, mf: MappedFile, reads: list[_Read], path: Path) -> None:
         """Copy each read from the mapping. A whole item into a CPU tensor is hashed chunk by chunk as it
         is copied (one pass over the bytes); other reads verify the stored item first, once per item."""
+        _check_size(path, mf.size, reads)  # the mapping's size: the file may have changed since its stat
         verified: set[tuple[int, int]] = set()
         for r in reads:
             loc, item = r.loc, (r.loc.offset, r.loc.length)
-            in_file = loc.offset + loc.length <= mf.size
-            if (
-                item not in verified
-                and self.store.verify_checksums
-                and in_file
-                and r.dst is not None
-                and r.whole()
-            ):
+            if item not in verified and self.store.verify_checksums and r.dst is not None and r.whole():
                 stored = mf.tensor(loc.offset, r.dst.dtype, loc.shape)
                 self._check(r, copy_with_checksum(r.dst, stored), path)
                 verified.add(item)
                 continue
             if item not in verified:
-                if not in_file:
-                    actual = None  # the file is shorter than the manifest says
-                elif self.store.verify_checksums:
+                if self.store.verify_checksums:
                     actual = checksum_memory(mf.address + loc.offset, loc.length)
                 else:
                     actual = loc.checksum  # not verified: skip the pass over the bytes
@@ -259,12 +259,10 @@ class MemoryStorageReader(StorageReader):
                 mf.pin_for_cuda(r.dst.device)  # host-to-device from page-locked tmpfs pages
             r.dst.copy_(src)
 
-    def _check(self, r: _Read, actual: int | None, path: Path | str) -> None:
-        """Raise ChecksumMismatchError unless ``actual`` (None: bytes missing) is the recorded checksum."""
-        if actual is None or (self.store.verify_checksums and actual != r.loc.checksum):
-            raise ChecksumMismatchError(
-                str(path), _item_name(r.req.storage_index), r.loc.checksum, actual or 0
-            )
+    def _check(self, r: _Read, actual: int, path: Path | str) -> None:
+        """Raise ChecksumMismatchError unless ``actual`` is the recorded checksum (or verification is off)."""
+        if self.store.verify_checksums and actual != r.loc.checksum:
+            raise ChecksumMismatchError(str(path), _item_name(r.req.storage_index), r.loc.checksum, actual)
 
 
 @dataclass
@@ -307,3 +305,16 @@ def _region(stored: torch.Tensor, r: _Read) -> torch.Tensor:
 
 def _item_name(index: MetadataIndex) -> str:
     return item_name(index.fqn, index.offset)
+
+
+def _truncated(path: Path | str, r: _Read, size: int) -> TruncatedShardError:
+    """The error for read ``r`` from ``path``, a file of ``size`` bytes that ends before its item does."""
+    return TruncatedShardError(str(path), _item_name(r.req.storage_index), size, r.loc.offset + r.loc.length)
+
+
+def _check_size(path: Path, size: int, reads: list[_Read]) -> None:
+    """TruncatedShardError if the file at ``path`` (``size`` bytes) ends before one of ``reads``' items.
+    Checked before anything is read: reading a mapping past the end of its file is a SIGBUS."""
+    for r in reads:
+        if r.loc.offset + r.loc.length > size:
+            raise _truncated(path, r, size)

@@ -34,6 +34,10 @@ class RemoteCheckpoint:
     def describe(self, loc: ShardLocation) -> str:
         return self.target.url_of(self.checkpoint_id) + "/" + loc.file
 
+    def size(self, loc: ShardLocation) -> int:
+        """The size in bytes of the persisted object that holds ``loc`` (to say how short it is)."""
+        return self.target.fs.size(self.target.path(self.checkpoint_id, loc.file))
+
     def fetch(self, loc: ShardLocation) -> tuple[torch.Tensor, int | None]:
         """The item's raw bytes as a uint8 tensor, and their checksum (None if the object is short)."""
         buf = torch.empty(loc.length, dtype=torch.uint8)

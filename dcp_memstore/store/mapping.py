@@ -190,8 +190,9 @@ class _MappingCache:
             if cached is not None:
                 self._forget(cached)
         if st.st_size == 0:
+            path = os.readlink(f"/proc/self/fd/{fd}")
             os.close(fd)
-            raise ValueError("cannot map an empty shard file")
+            raise ValueError(f"cannot map {path}: the file is empty")
         storage = torch.UntypedStorage._new_shared_fd_cpu(fd, st.st_size)
         mf = MappedFile(key=key, fd=fd, size=st.st_size, storage=storage)
         if populate:

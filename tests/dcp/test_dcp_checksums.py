@@ -209,3 +209,30 @@ def test_a_manifest_whose_items_and_dcp_metadata_disagree_fails_naming_it(store,
         load(store, out, "c")
     assert f"{manifest}: {problem}; this copy of the checkpoint cannot be read" in str(ei.value)
     assert not out["b"].any()
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("size", [0, 100])
+def test_a_shard_file_shorter_than_its_manifest_says_is_an_error_saying_how_short(shm_dir, size, verify):
+    store = MemStore(root=shm_dir, job_id="job", verify_checksums=verify)
+    _small(store)
+    path, _ = _location(store, "c", "b")
+    os.truncate(path, size)
+    with pytest.raises(CheckpointException) as ei:
+        load(store, {"b": torch.zeros(10, 20, dtype=torch.int32)}, "c")
+    msg = str(ei.value)
+    assert (
+        f"TruncatedShardError: {path} is only {size} bytes long, where item b (chunk at (0, 0)) needs 800"
+        in msg
+    )
+    assert "checksum mismatch" not in msg and "verify_checksums" not in msg
+
+
+def test_a_deleted_shard_file_with_no_other_copy_is_in_no_tier(store):
+    _small(store)
+    path, _ = _location(store, "c", "b")
+    path.unlink()
+    with pytest.raises(CheckpointException) as ei:
+        load(store, {"b": torch.zeros(10, 20, dtype=torch.int32)}, "c")
+    assert f"FileNotFoundError: file {path.name} of checkpoint 'c' is in no tier (" in str(ei.value)
+    assert "load another checkpoint" in str(ei.value)

@@ -22,7 +22,7 @@ from torch.testing._internal.two_tensor import TwoTensor
 
 from dcp_memstore import InsufficientSpaceError, MemoryStorageReader, MemoryStorageWriter, MemStore
 from dcp_memstore.dcp.reader import NEEDS_CHECKPOINT_ID
-from dcp_memstore.errors import ChecksumMismatchError
+from dcp_memstore.errors import ChecksumMismatchError, TruncatedShardError
 from dcp_memstore.replication.transport import ReplicationError
 from dcp_memstore.store.layout import INPROGRESS
 from dcp_memstore.store.records import write_record
@@ -332,6 +332,7 @@ def test_use_collectives_false_is_refused(quick_store):
     [
         InsufficientSpaceError("/dev/shm/x", 10, 5, "2 ranks"),
         ChecksumMismatchError("/dev/shm/x/__0_0.shard", "model.w", 1, 2),
+        TruncatedShardError("/dev/shm/x/__0_0.shard", "model.w", 100, 800),
         ReplicationError(("10.0.0.2", 4000), "no_space", "no room"),
     ],
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -164,7 +165,7 @@ def test_a_damaged_persisted_manifest_is_refused_naming_it(shm_dir, bucket_dir, 
     assert f"c/{REMOTE_MANIFEST}: the manifest is corrupt: its xxh3_64 checksum does not match" in caplog.text
 
 
-@pytest.mark.parametrize("damage", ["delete", "corrupt"])
+@pytest.mark.parametrize("damage", ["delete", "corrupt", "empty"])
 def test_reader_falls_back_per_file_to_the_persisted_copy(shm_dir, bucket_dir, damage):
     sd = _state(4)
     with _pstore(shm_dir, bucket_dir, persist_every=1) as store:
@@ -173,6 +174,8 @@ def test_reader_falls_back_per_file_to_the_persisted_copy(shm_dir, bucket_dir, d
         victim = store.layout.checkpoint_dir("c") / "__0_0.shard"
         if damage == "delete":
             victim.unlink()
+        elif damage == "empty":
+            os.truncate(victim, 0)
         else:
             with open(victim, "r+b") as f:
                 f.seek(0)
@@ -195,6 +198,27 @@ def test_a_corrupt_local_commit_marker_is_passed_over_for_the_persisted_copy(shm
         assert_tree_equal(sd, load(store, blank_like(sd), "b"))
     assert f"{marker} is not a valid dcp_memstore record" in caplog.text
     assert f"reading it from {bucket_dir}/b instead" in caplog.text
+
+
+def test_a_truncated_persisted_file_is_an_error_saying_how_short(shm_dir, bucket_dir):
+    with _pstore(shm_dir, bucket_dir, persist_every=1) as store:
+        save(store, _state(4), "c")
+        store.wait_persisted("c", timeout=60)
+    victim = bucket_dir / "c" / "__0_0.distcp"
+    os.truncate(victim, victim.stat().st_size // 2)
+    fresh_root = Path(str(shm_dir) + "-fresh")
+    try:
+        with (
+            MemStore(root=fresh_root, job_id="job", persist_to=str(bucket_dir)) as fresh,
+            pytest.raises(BaseException) as ei,  # noqa: B017 - DCP wraps it
+        ):
+            load(fresh, blank_like(_state(4)), "c")
+    finally:
+        subprocess.run(["rm", "-rf", str(fresh_root)], check=True)
+    size = victim.stat().st_size
+    assert f"TruncatedShardError: {bucket_dir}/c/__0_0.distcp is only {size} bytes long, where item " in str(
+        ei.value
+    )
 
 
 def test_damaged_local_copy_without_persisted_copy_still_fails(shm_dir, bucket_dir):
