@@ -16,6 +16,8 @@ from dcp_memstore.replication.placement import NodeInfo
 from dcp_memstore.replication.recovery import inventory, readable, resync
 from dcp_memstore.replication.replicator import REPLICA_HOLD, ReplicaRecords, node_files, to
 from dcp_memstore.store import catalog
+from dcp_memstore.store.layout import MANIFEST
+from dcp_memstore.store.manifest import Manifest
 
 SECRET = b"s" * 32
 
@@ -108,3 +110,22 @@ def test_replication_options_checked_before_anything(shm_dir):
     with pytest.raises(ValueError, match="at least 16"):
         MemStore(shm_dir, "j", replication_secret="short")
     assert not (shm_dir / "j").exists()
+
+
+def test_a_node_refuses_to_prepare_a_commit_whose_manifest_arrived_damaged(store):
+    """The peer server's commit handler on a node other than the coordinator's: a manifest damaged on
+    the way (or by the coordinator's memory) is refused naming it, and nothing is stored."""
+    save(store, "s1")
+    manifest = Manifest.read(store.layout.checkpoint_dir("s1") / MANIFEST)
+    manifest.checkpoint_id = "s2"
+    catalog.begin(store.layout, "s2")  # a rank of this node wrote part of s2
+    record = {"seq": 2, "committed_at": 1.0, "nbytes": manifest.nbytes}
+    damaged = bytearray(manifest.encode())
+    damaged[len(damaged) // 2] ^= 0x04
+    with pytest.raises(
+        ValueError, match="the manifest of checkpoint 's2' from the coordinator: the manifest is corrupt"
+    ):
+        store._commit_here("s2", "prepare", record, bytes(damaged))
+    assert not (store.layout.checkpoint_dir("s2") / MANIFEST).exists()
+    store._commit_here("s2", "prepare", record, manifest.encode())
+    assert Manifest.read(store.layout.checkpoint_dir("s2") / MANIFEST) == manifest
