@@ -1,22 +1,26 @@
 """The commit protocol on disk: in-progress and commit markers, the list of committed checkpoints,
-eviction, and clearing what dead saves left behind.
+retention holds, eviction, and clearing what dead processes left behind.
 
 A checkpoint directory appears (atomic rename of a directory that already holds its INPROGRESS marker),
 receives every rank's data, then the coordinator writes the manifest and last the COMMITTED marker, each by
 an atomic rename. Only a directory with COMMITTED is a checkpoint. Eviction renames the directory out of
-``checkpoints/`` first, so a checkpoint disappears at once and whole.
+``checkpoints/`` first, so a checkpoint disappears at once and whole. Placing a hold and eviction's look at
+the holds are serialised by a lock file of the job (``flock``), so a hold that was placed is never missed
+by an eviction already under way.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
+import re
 import shutil
 import socket
 import time
 import uuid
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -192,18 +196,26 @@ def discard(layout: StoreLayout, directory: Path) -> None:
     """Make ``directory`` invisible at once (rename into trash), return its shard files to their ranks'
     pools, and delete the rest. A trash directory removed under this process (``rm -rf`` of the job's
     directory) is made again: only a ``directory`` that is gone counts as discarded already."""
+    trash = _to_trash(layout, directory)
+    if trash is not None:
+        recycle(layout, trash)
+
+
+def _to_trash(layout: StoreLayout, directory: Path) -> Path | None:
+    """Rename ``directory`` into the trash (made again if it was removed); its new path, or None if
+    ``directory`` is gone (another process discarded it first)."""
     trash = layout.trash_dir / f"{directory.name}.{uuid.uuid4().hex[:8]}"
     try:
         os.rename(directory, trash)
     except FileNotFoundError:
         if not directory.exists():
-            return  # another process discarded it first
+            return None  # another process discarded it first
         layout.trash_dir.mkdir(exist_ok=True)
         try:
             os.rename(directory, trash)
         except FileNotFoundError:
-            return  # discarded by another process meanwhile
-    recycle(layout, trash)
+            return None  # discarded by another process meanwhile
+    return trash
 
 
 def recycle(layout: StoreLayout, directory: Path) -> None:
@@ -220,12 +232,52 @@ def recycle(layout: StoreLayout, directory: Path) -> None:
     shutil.rmtree(directory, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _retention_lock(layout: StoreLayout, exclusive: bool) -> Iterator[None]:
+    """The job's retention lock: shared while a hold is placed, exclusive while eviction picks and removes
+    its victims. Without it an eviction could find no hold, a hold be placed, and the eviction still
+    remove the checkpoint. An ``flock``: a killed process drops it."""
+    fd = os.open(layout.retention_lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
 def hold(layout: StoreLayout, checkpoint_id: str, reason: str, record: dict | None = None) -> None:
     """Keep ``checkpoint_id`` from eviction until ``release(reason)``: something (an upload to persistent
-    storage, a replica) still needs its bytes. ``record`` is stored with the hold (idempotent)."""
+    storage, a replica, a load) still needs its bytes. ``record`` is stored with the hold (idempotent).
+    FileNotFoundError if the checkpoint's directory is gone (evicted or deleted)."""
     d = layout.checkpoint_dir(checkpoint_id) / HOLDS
-    d.mkdir(exist_ok=True)
-    write_record(d / reason, record or {})
+    with _retention_lock(layout, exclusive=False):
+        d.mkdir(exist_ok=True)
+        write_record(d / reason, record or {})
+
+
+# hold of one process, named <purpose>-p<pid>-<token>; its record is the owner (see process_hold)
+_PROCESS_HOLD_RE = re.compile(r"[a-z]+-p\d+-[0-9a-f]+")
+
+
+def process_hold(layout: StoreLayout, checkpoint_id: str, purpose: str) -> str | None:
+    """Hold committed checkpoint ``checkpoint_id`` for this process (``purpose``: a lowercase word, e.g.
+    "load") until ``release`` of the returned name. If the process dies first, the hold is dropped the next
+    time ``holds`` looks at it (eviction, a store's start), so a killed process does not pin the checkpoint
+    for good. Returns None, holding nothing, if the checkpoint is not committed (evicted or deleted)."""
+    name = f"{purpose}-p{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        hold(layout, checkpoint_id, name, _owner())
+    except FileNotFoundError:
+        return None
+    # committed now and held: no eviction removes it before release. A directory without COMMITTED is a
+    # save of the same id begun after an eviction, not a checkpoint (and a corrupt marker raises)
+    held = False
+    try:
+        held = read_commit(layout, checkpoint_id) is not None
+        return name if held else None
+    finally:
+        if not held:
+            release(layout, checkpoint_id, name)
 
 
 def release(layout: StoreLayout, checkpoint_id: str, reason: str) -> None:
@@ -235,11 +287,26 @@ def release(layout: StoreLayout, checkpoint_id: str, reason: str) -> None:
 
 
 def holds(layout: StoreLayout, checkpoint_id: str) -> list[str]:
-    """The reasons ``checkpoint_id`` is held in memory, sorted (empty: evictable)."""
+    """The reasons ``checkpoint_id`` is held in memory, sorted (empty: evictable). Holds of processes that
+    died (see ``process_hold``) are dropped here and not listed."""
     try:
-        return sorted(e.name for e in os.scandir(layout.checkpoint_dir(checkpoint_id) / HOLDS))
+        # a dot name is a hold being written (records.write_atomic), or one whose writer was killed
+        names = sorted(
+            e.name
+            for e in os.scandir(layout.checkpoint_dir(checkpoint_id) / HOLDS)
+            if not e.name.startswith(".")
+        )
     except (FileNotFoundError, NotADirectoryError):
         return []
+    live = []
+    for name in names:
+        if _PROCESS_HOLD_RE.fullmatch(name):
+            owner = _safe_read(layout.checkpoint_dir(checkpoint_id) / HOLDS / name)
+            if owner is not None and not _owner_alive(owner):
+                release(layout, checkpoint_id, name)
+                continue
+        live.append(name)
+    return live
 
 
 def drop_copies(layout: StoreLayout, checkpoint_id: str) -> None:
@@ -278,13 +345,19 @@ def evict(layout: StoreLayout, keep: int, ignored_holds: Collection[str] = ()) -
     """Evict all but the ``keep`` newest committed checkpoints, except those held (see ``hold``) for a
     reason other than ``ignored_holds`` (holds that nothing in this process will ever release)."""
     recs = committed(layout)
-    victims = [
-        r.checkpoint_id
-        for r in recs[: max(0, len(recs) - keep)]
-        if set(holds(layout, r.checkpoint_id)) <= set(ignored_holds)
-    ]
-    for cid in victims:
-        discard(layout, layout.checkpoint_dir(cid))
+    candidates = recs[: max(0, len(recs) - keep)]
+    if not candidates:
+        return []
+    victims, trashed = [], []
+    with _retention_lock(layout, exclusive=True):
+        for r in candidates:
+            if set(holds(layout, r.checkpoint_id)) <= set(ignored_holds):
+                trash = _to_trash(layout, layout.checkpoint_dir(r.checkpoint_id))
+                if trash is not None:
+                    victims.append(r.checkpoint_id)
+                    trashed.append(trash)
+    for cid, trash in zip(victims, trashed, strict=True):
+        recycle(layout, trash)
         drop_copies(layout, cid)
     return victims
 
@@ -295,8 +368,8 @@ def clear_abandoned(
     """Discard uncommitted checkpoint directories whose saving process is dead, and (with ``before``) those
     this process started before time ``before`` and never committed, except ``running``: the checkpoint
     ids whose saves in this process are still writing (another thread's save, begun earlier, is not an
-    abandoned one). Also recycles the staging slots and reservation areas of dead processes and empties
-    the trash."""
+    abandoned one). Also recycles the staging slots and reservation areas of dead processes, drops their
+    holds (see ``process_hold``) and empties the trash."""
     cleared = []
     try:
         entries = list(os.scandir(layout.checkpoints_dir))
@@ -310,7 +383,10 @@ def clear_abandoned(
             if not _maker_alive(d):
                 shutil.rmtree(d, ignore_errors=True)
             continue
-        if (d / COMMITTED).exists() or e.name in running:
+        if (d / COMMITTED).exists():
+            holds(layout, e.name)  # drops the holds of dead processes
+            continue
+        if e.name in running:
             continue
         owner = _safe_read(d / INPROGRESS)
         if owner is None:

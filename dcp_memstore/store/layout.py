@@ -1,7 +1,9 @@
 """Where everything lives under the store root.
 
     <root>/<job_id>/checkpoints/<checkpoint_id>/   one checkpoint: shard files, manifest, markers
-    <root>/<job_id>/checkpoints/<checkpoint_id>/holds/<reason>   retention holds (owed uploads, replicas)
+    <root>/<job_id>/checkpoints/<checkpoint_id>/holds/<reason>   retention holds (owed uploads, replicas,
+                                                   running loads)
+    <root>/<job_id>/retention.lock                 flock: placing a hold against evicting
     <root>/<job_id>/staging/<slot>/                async-save staging areas (become checkpoint files)
     <root>/<job_id>/pool/rank<r>/                  shard files of evicted checkpoints, reused by rank r
     <root>/<job_id>/pool/rank<r>/reserve-<...>/    files being allocated ahead of rank r's next save
@@ -102,6 +104,11 @@ class StoreLayout:
     @property
     def trash_dir(self) -> Path:
         return self.job_dir / "trash"
+
+    @property
+    def retention_lock(self) -> Path:
+        """The lock file that serialises placing a retention hold against eviction (see ``catalog``)."""
+        return self.job_dir / "retention.lock"
 
     def checkpoint_dir(self, checkpoint_id: str) -> Path:
         return self.checkpoints_dir / checkpoint_id

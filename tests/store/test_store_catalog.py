@@ -1,5 +1,5 @@
-"""The commit protocol on disk: begin/commit visibility, seq order, eviction,
-clearing dead saves' leftovers."""
+"""The commit protocol on disk: begin/commit visibility, seq order, eviction, retention holds,
+clearing dead processes' leftovers."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import shutil
 import socket
 import subprocess
+import threading
 import time
 
 import msgpack
@@ -252,3 +253,62 @@ def test_a_corrupt_commit_marker_is_skipped_with_a_warning_and_never_evicted(lay
     with pytest.raises(ValueError, match="Checkpoint 'old' has a corrupt commit marker") as ei:
         catalog.read_commit(layout, "old")
     assert str(old / COMMITTED) in str(ei.value)
+
+
+def test_a_process_hold_keeps_a_checkpoint_until_released(layout):
+    _save(layout, "s0")
+    _save(layout, "s1")
+    name = catalog.process_hold(layout, "s0", "load")
+    assert name is not None and name.startswith(f"load-p{os.getpid()}-")
+    assert catalog.holds(layout, "s0") == [name]
+    assert catalog.evict(layout, keep=1) == []
+    catalog.release(layout, "s0", name)
+    assert catalog.evict(layout, keep=1) == ["s0"]
+
+
+def test_a_process_hold_of_a_checkpoint_that_is_not_committed_holds_nothing(layout):
+    assert catalog.process_hold(layout, "never", "load") is None
+    d = catalog.begin(layout, "saving")  # e.g. a save of an evicted checkpoint's id, not committed yet
+    assert catalog.process_hold(layout, "saving", "load") is None
+    assert catalog.holds(layout, "saving") == []
+    assert d.exists()
+
+
+def test_holds_of_dead_processes_are_dropped_and_those_of_live_ones_kept(layout, dead_owner, live_owner):
+    """A killed reader must not pin its checkpoint for good: eviction (and a store's start) drop its
+    hold; another running process's hold stands, as do holds that belong to no process."""
+    for cid in ("dead", "live", "persist", "newest"):
+        _save(layout, cid)
+    catalog.hold(layout, "dead", f"load-p{dead_owner['pid']}-0a1b2c3d", dead_owner)
+    catalog.hold(layout, "live", f"load-p{live_owner['pid']}-0a1b2c3d", live_owner)
+    catalog.hold(layout, "persist", "persist", {"reason": "on demand"})
+    assert catalog.evict(layout, keep=1) == ["dead"]
+    assert _committed_ids(layout) == ["live", "persist", "newest"]
+
+    _save(layout, "dead-again")
+    catalog.hold(layout, "dead-again", f"load-p{dead_owner['pid']}-4e5f6a7b", dead_owner)
+    catalog.clear_abandoned(layout)
+    assert not list((layout.checkpoint_dir("dead-again") / "holds").iterdir())
+
+
+def test_a_hold_placed_while_an_eviction_runs_is_never_missed(layout, monkeypatch):
+    """Eviction looks at the holds, then removes the checkpoint: a hold placed in between would hold a
+    checkpoint that is gone. process_hold either holds it before the eviction looks, or finds it gone."""
+    _save(layout, "s0")
+    _save(layout, "s1")
+    placed: list[str | None] = []
+    holder = threading.Thread(target=lambda: placed.append(catalog.process_hold(layout, "s0", "load")))
+    holds = catalog.holds
+
+    def holds_while_a_load_starts(lay, cid):
+        found = holds(lay, cid)
+        if holder.ident is None:  # not started yet
+            holder.start()
+            holder.join(timeout=1.0)  # it waits for the eviction to end; without the lock it holds now
+        return found
+
+    monkeypatch.setattr(catalog, "holds", holds_while_a_load_starts)
+    victims = catalog.evict(layout, keep=1)
+    holder.join()
+    assert (victims, placed) == (["s0"], [None])
+    assert _committed_ids(layout) == ["s1"]
