@@ -5,6 +5,10 @@ planner narrows it to the requested region (resharding), and one ``copy_`` moves
 tensor (host-to-device straight from tmpfs pages for GPU destinations). Every item read is checked against
 its checksum, unless the store turns verification off: whole items into CPU tensors are hashed while they
 are copied, other reads verify the stored item before copying from it. Files are read in parallel.
+
+A load holds this node's copy of its checkpoint (a retention hold, ``catalog.process_hold``) from
+``read_metadata`` until ``read_data`` ends, so saves committing meanwhile, in this process or another,
+neither evict it nor reuse its files while they are read.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import dataclasses
 import io
 import logging
 import os
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,6 +33,7 @@ from dcp_memstore.dcp import storable
 from dcp_memstore.dcp.metadata_codec import metadata_of
 from dcp_memstore.errors import ChecksumMismatchError, CorruptShardError, TruncatedShardError
 from dcp_memstore.memstore import CheckpointSource, MemStore
+from dcp_memstore.store import catalog
 from dcp_memstore.store.checksum import (
     checksum_bytes,
     checksum_memory,
@@ -66,6 +72,7 @@ class MemoryStorageReader(StorageReader):
         self._storage_data: dict[MetadataIndex, ShardLocation] = {}
         self._loaded = False
         self._deferred_error: Exception | None = None  # of reset(), raised where every rank plans the load
+        self._hold: weakref.finalize | None = None  # releases this load's retention hold, once
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         """Aim the next load at ``checkpoint_id`` (``dcp.load`` calls this with its ``checkpoint_id``, and
@@ -104,16 +111,44 @@ class MemoryStorageReader(StorageReader):
         if src is None or self._loaded:
             # dcp.load skips reset() when checkpoint_id is None: never load a checkpoint it did not name
             raise ValueError(NEEDS_CHECKPOINT_ID)
-        if src.local_dir is not None:
-            manifest = Manifest.read(src.local_dir / MANIFEST)
-        elif src.cluster is not None:
-            src.fetch_dir.mkdir(parents=True, exist_ok=True)
-            manifest = src.cluster.manifest(src.fetch_dir)
-        else:
-            manifest = src.remote.manifest
-        metadata = metadata_of(manifest)
+        self._release_hold()  # of an earlier load that failed between read_metadata and read_data
+        try:
+            self._source = src = self._held(src)
+            if src.local_dir is not None:
+                manifest = Manifest.read(src.local_dir / MANIFEST)
+            elif src.cluster is not None:
+                src.fetch_dir.mkdir(parents=True, exist_ok=True)
+                manifest = src.cluster.manifest(src.fetch_dir)
+            else:
+                manifest = src.remote.manifest
+            metadata = metadata_of(manifest)
+        except BaseException:
+            self._release_hold()
+            raise
         self._storage_data = dict(metadata.storage_data)
         return metadata
+
+    def _held(self, src: CheckpointSource) -> CheckpointSource:
+        """``src``, with this node's copy held against eviction until the load ends: a save that commits
+        meanwhile (in this process or another) would otherwise evict it and hand its files to a new save
+        while they are read, and the load would copy that save's bytes. The hold is released when
+        ``read_data`` ends, else (the load failed in between: DCP says nothing) when this reader reads the
+        metadata of its next load or is garbage-collected; eviction drops it if this process dies. A copy
+        evicted since ``reset`` is looked up again: in another tier, or FileNotFoundError naming the
+        committed checkpoints."""
+        if src.local_dir is None:
+            return src  # nothing of it on this node to evict
+        name = catalog.process_hold(self.store.layout, src.checkpoint_id, "load")
+        if name is None:
+            return self._held(self.store.open_checkpoint(src.checkpoint_id))
+        self._hold = weakref.finalize(self, catalog.release, self.store.layout, src.checkpoint_id, name)
+        return src
+
+    def _release_hold(self) -> None:
+        """Release this load's retention hold, if it has one."""
+        if self._hold is not None:
+            self._hold()
+            self._hold = None
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -130,21 +165,28 @@ class MemoryStorageReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         assert self._source is not None
         self._loaded = True  # one load per reset: the next one names its checkpoint again
+        try:
+            self._read_plan(plan, planner)
+        finally:
+            self._release_hold()
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_plan(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        """Read every item of ``plan`` into the planner's destinations. Files are read in parallel; the
+        planner is called from this thread only."""
         by_file: dict[str, list[_Read]] = {}
         for req in plan.items:
             loc = self._storage_data[req.storage_index]
             dst = None if req.type == LoadItemType.BYTE_IO else planner.resolve_tensor(req).detach()
             by_file.setdefault(loc.file, []).append(_Read(req, loc, dst))
-        # Files are read in parallel; the planner is called from this thread only.
         for reads in run_parallel(self._read_file_or_fall_back, by_file.values(), self.store.io_threads):
             for r in reads:
                 if r.dst is None:
                     planner.load_bytes(r.req, io.BytesIO(r.data))
                 else:
                     planner.commit_tensor(r.req, r.dst)
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
 
     def _read_file_or_fall_back(self, reads: list[_Read]) -> list[_Read]:
         """Read one file's items from the nearest tier that has it intact: this node's copy, else a copy

@@ -1,19 +1,28 @@
 """Retention and reuse through DCP: keep_in_memory, shard file reuse, list/latest order, delete,
-max_in_flight."""
+max_in_flight, loads that run while saves evict."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from dcp_state import assert_tree_equal, async_save, load, load_fresh, save, snapshot
 from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_memstore import MemStore
+import dcp_memstore.dcp.reader as reader_module
+from dcp_memstore import MemoryStorageReader, MemStore
 
 
 def _state(i: int) -> dict:
@@ -248,3 +257,157 @@ def test_two_synchronous_saves_in_threads_both_commit(shm_dir, same_store):
     assert errors == []
     assert sorted(store_a.list_checkpoints()) == ["a-1", "b-1"]
     assert_tree_equal(big, load_fresh(store_a, big, "a-1"))
+
+
+def _filled(v: float) -> dict:
+    return {"w": torch.full((64 << 10,), v)}
+
+
+def _pause_load_at(monkeypatch: pytest.MonkeyPatch, name: str) -> tuple[threading.Event, threading.Event]:
+    """Fault injection: the next load stops in ``reader.<name>`` and sets ``paused`` until ``go`` is set.
+    ``run_parallel``: after planning, before any file is read; ``_region``: within a converting read,
+    after the stored item's checksum was verified, before the copy from the mapping."""
+    paused, go = threading.Event(), threading.Event()
+    original = getattr(reader_module, name)
+
+    def pausing(*args, **kwargs):
+        paused.set()
+        assert go.wait(60), "the test never let the load go on"
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(reader_module, name, pausing)
+    return paused, go
+
+
+@pytest.mark.parametrize(
+    "dtype, pause_at",
+    [(torch.float64, "_region"), (torch.float32, "run_parallel")],
+    ids=["converting-read-mid-copy", "whole-read-before-files"],
+)
+def test_a_load_that_saves_would_evict_meanwhile_reads_its_own_checkpoint(
+    shm_dir, monkeypatch, dtype, pause_at
+):
+    """Saves committing while a load runs (another thread here) would evict the checkpoint being read and
+    reuse its files for their own data: the load copied another checkpoint's values without an error
+    (converting read) or failed on a vanished shard file (whole read). The load holds it instead."""
+    store = MemStore(root=shm_dir, job_id="job", keep_in_memory=1, io_threads=1)
+    save(store, _filled(1.0), "s1")
+    save(store, _filled(2.0), "s2")  # s1's file goes to the pool
+    paused, go = _pause_load_at(monkeypatch, pause_at)
+    dest = {"w": torch.zeros(64 << 10, dtype=dtype)}
+    errors: list[BaseException] = []
+
+    def load_s2() -> None:
+        try:
+            load(store, dest, "s2")
+        except BaseException as e:  # noqa: BLE001 - re-raised by the test thread
+            errors.append(e)
+
+    loader = threading.Thread(target=load_s2)
+    loader.start()
+    try:
+        assert paused.wait(60)
+        save(store, _filled(3.0), "s3")  # would evict s2 and pool its file...
+        save(store, _filled(4.0), "s4")  # ...which this save would reuse and overwrite
+        kept = store.list_checkpoints()
+    finally:
+        go.set()
+        loader.join()
+    if errors:
+        raise errors[0]
+    assert torch.equal(dest["w"], torch.full((64 << 10,), 2.0, dtype=dtype)), dest["w"].unique()
+    assert kept == ["s2", "s4"]  # s2 was held while it was read
+    save(store, _filled(5.0), "s5")  # the load is over: s2 is evicted at the next commit
+    assert store.list_checkpoints() == ["s5"]
+    assert not list(store.layout.checkpoints_dir.glob("*/holds/load-*"))
+
+
+@pytest.mark.parametrize("then", ["reader-loads-again", "reader-is-dropped"])
+def test_a_load_that_fails_in_planning_does_not_pin_its_checkpoint(shm_dir, then):
+    """DCP tells a reader nothing when a load fails between read_metadata and read_data: the hold goes
+    when the reader is aimed at its next load, or when it is garbage-collected."""
+    store = MemStore(root=shm_dir, job_id="job", keep_in_memory=1, io_threads=1)
+    save(store, _filled(1.0), "s1")
+    reader = MemoryStorageReader(store)
+    with pytest.raises(CheckpointException, match="Size mismatch"):
+        dcp.load({"w": torch.zeros(3)}, checkpoint_id="s1", storage_reader=reader, no_dist=True)
+    save(store, _filled(2.0), "s2")
+    if then == "reader-loads-again":
+        dest = _filled(0.0)
+        dcp.load(dest, checkpoint_id="s2", storage_reader=reader, no_dist=True)
+        assert torch.equal(dest["w"], _filled(2.0)["w"])
+    else:
+        del reader
+        gc.collect()
+    save(store, _filled(3.0), "s3")
+    assert store.list_checkpoints() == ["s3"]
+
+
+def test_a_load_of_a_checkpoint_evicted_before_it_reads_says_which_one_is_missing(store):
+    save(store, _filled(1.0), "a")
+    save(store, _filled(2.0), "b")
+    reader = MemoryStorageReader(store)
+    reader.reset("a")  # what dcp.load calls first; the checkpoint is there
+    store.delete("a")  # and is gone before the load reads anything
+    with pytest.raises(FileNotFoundError, match=r"checkpoint 'a' not found in store .*\['b'\]"):
+        reader.read_metadata()
+
+
+# Another process (an evaluation job, say) loads checkpoint s2 of the store and stops after planning until
+# the file <root>/go exists; <root>/paused says it got there. Writes what it loaded to <root>/loaded.pt.
+_LOAD_IN_ANOTHER_PROCESS = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    import torch, torch.distributed.checkpoint as dcp
+    import dcp_memstore.dcp.reader as reader_module
+    from dcp_memstore import MemoryStorageReader, MemStore
+
+    root = Path(sys.argv[1])
+    original = reader_module.run_parallel
+
+    def pausing(*args, **kwargs):  # fault injection: wait between planning and reading
+        (root / "paused").touch()
+        while not (root / "go").exists():
+            time.sleep(0.01)
+        return original(*args, **kwargs)
+
+    reader_module.run_parallel = pausing
+    store = MemStore(root=root, job_id="job", io_threads=1)
+    dest = {"w": torch.zeros(64 << 10)}
+    dcp.load(dest, checkpoint_id="s2", storage_reader=MemoryStorageReader(store), no_dist=True)
+    torch.save(dest["w"], root / "loaded.pt")
+    """
+)
+
+
+@pytest.mark.parametrize("ending", ["finishes", "is-killed"])
+def test_a_load_in_another_process_holds_its_checkpoint_until_it_ends_or_dies(shm_dir, ending):
+    store = MemStore(root=shm_dir, job_id="job", keep_in_memory=1, io_threads=1)
+    save(store, _filled(1.0), "s1")
+    save(store, _filled(2.0), "s2")
+    child = subprocess.Popen([sys.executable, "-c", _LOAD_IN_ANOTHER_PROCESS, str(shm_dir)])
+    try:
+        deadline = time.monotonic() + 120
+        while not (shm_dir / "paused").exists():
+            assert child.poll() is None, "the loading process failed before it read"
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        save(store, _filled(3.0), "s3")
+        save(store, _filled(4.0), "s4")  # would overwrite s2's pooled file if s3 had evicted s2
+        kept = store.list_checkpoints()
+        if ending == "finishes":
+            Path(shm_dir / "go").touch()
+            assert child.wait(120) == 0
+        else:
+            os.kill(child.pid, signal.SIGKILL)
+            child.wait()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    if ending == "finishes":
+        assert torch.equal(torch.load(shm_dir / "loaded.pt"), _filled(2.0)["w"])
+    assert kept == ["s2", "s4"]  # s2 was held while the other process read it
+    save(store, _filled(5.0), "s5")  # the hold ended with the load, or with the process
+    assert store.list_checkpoints() == ["s5"]
