@@ -4,7 +4,8 @@ Reads are zero-copy up to the destination: each stored item is a view of the map
 planner narrows it to the requested region (resharding), and one ``copy_`` moves it into the destination
 tensor (host-to-device straight from tmpfs pages for GPU destinations). Every item read is checked against
 its checksum, unless the store turns verification off: whole items into CPU tensors are hashed while they
-are copied, other reads verify the stored item before copying from it. Files are read in parallel.
+are copied, other reads verify the stored item before copying from it. Files are read in parallel, except
+reads whose destinations share memory: those run in plan order on one thread.
 
 A load holds this node's copy of its checkpoint (a retention hold, ``catalog.process_hold``) from
 ``read_metadata`` until ``read_data`` ends, so saves committing meanwhile, in this process or another,
@@ -15,10 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
 import logging
 import os
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -174,21 +176,41 @@ class MemoryStorageReader(StorageReader):
         return fut
 
     def _read_plan(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        """Read every item of ``plan`` into the planner's destinations. Files are read in parallel; the
-        planner is called from this thread only."""
-        by_file: dict[str, list[_Read]] = {}
+        """Read every item of ``plan`` into the planner's destinations, then hand them to the planner in
+        plan order (the planner is called from this thread only).
+
+        Files are read in parallel, one task per file. Reads whose destinations share memory (one tensor
+        under two keys, as tied weights loading an untied checkpoint; overlapping views) run in plan order
+        in one task of their own: the item later in the plan wins, as with FileSystemReader, and no other
+        thread writes into a destination while it is copied and hashed (which made the result random and
+        failed intact checkpoints with ChecksumMismatchError)."""
+        reads = []
         for req in plan.items:
             loc = self._storage_data[req.storage_index]
             dst = None if req.type == LoadItemType.BYTE_IO else planner.resolve_tensor(req).detach()
-            by_file.setdefault(loc.file, []).append(_Read(req, loc, dst))
-        for reads in run_parallel(self._read_file_or_fall_back, by_file.values(), self.store.io_threads):
-            for r in reads:
-                if r.dst is None:
-                    planner.load_bytes(r.req, io.BytesIO(r.data))
-                else:
-                    planner.commit_tensor(r.req, r.dst)
+            reads.append(_Read(req, loc, dst))
+        shared = _shares_memory(reads)
+        by_file: dict[str, list[_Read]] = {}
+        for r, s in zip(reads, shared, strict=True):
+            if not s:
+                by_file.setdefault(r.loc.file, []).append(r)
+        tasks = [[file_reads] for file_reads in by_file.values()]
+        in_order = [r for r, s in zip(reads, shared, strict=True) if s]
+        if in_order:
+            tasks.insert(0, [list(run) for _, run in itertools.groupby(in_order, key=lambda r: r.loc.file)])
+        run_parallel(self._read_runs, tasks, self.store.io_threads)
+        for r in reads:
+            if r.dst is None:
+                planner.load_bytes(r.req, io.BytesIO(r.data))
+            else:
+                planner.commit_tensor(r.req, r.dst)
 
-    def _read_file_or_fall_back(self, reads: list[_Read]) -> list[_Read]:
+    def _read_runs(self, runs: list[list[_Read]]) -> None:
+        """Read ``runs`` one after another, each the reads of one file."""
+        for run in runs:
+            self._read_file_or_fall_back(run)
+
+    def _read_file_or_fall_back(self, reads: list[_Read]) -> None:
         """Read one file's items from the nearest tier that has it intact: this node's copy, else a copy
         fetched from another node's memory, else the persisted copy (the last error stands if none)."""
         src = self._source
@@ -196,7 +218,8 @@ class MemoryStorageReader(StorageReader):
         error: Exception | None = None
         if src.local_dir is not None:
             try:
-                return self._read_file(src.local_dir, reads)
+                self._read_file(src.local_dir, reads)
+                return
             except (FileNotFoundError, CorruptShardError) as e:
                 error = e
         if src.cluster is not None and src.cluster.has(file):
@@ -209,7 +232,7 @@ class MemoryStorageReader(StorageReader):
                 try:
                     if not dest.exists():
                         tried.add(src.cluster.fetch(file, dest, tried))
-                    result = self._read_file(src.fetch_dir, reads)
+                    self._read_file(src.fetch_dir, reads)
                 except CorruptShardError as e:
                     dest.unlink(missing_ok=True)
                     error = e
@@ -219,7 +242,7 @@ class MemoryStorageReader(StorageReader):
                     break
                 if error is not None:
                     log.warning("%s; read it from another node's memory instead", error)
-                return result
+                return
         if src.remote is None:
             if error is None or isinstance(error, FileNotFoundError):
                 raise FileNotFoundError(
@@ -231,7 +254,6 @@ class MemoryStorageReader(StorageReader):
             log.warning("%s; reading it from %s instead", error, src.remote.target.url_of(src.checkpoint_id))
         for r in reads:
             self._read_remote(src.remote, r)
-        return reads
 
     def _read_remote(self, remote: RemoteCheckpoint, r: _Read) -> None:
         """Read ``r`` from the persisted copy, checked against the checksum this checkpoint recorded."""
@@ -246,7 +268,7 @@ class MemoryStorageReader(StorageReader):
         else:
             r.dst.copy_(_region(buf.view(dtype_from_name(loc.dtype)).view(loc.shape), r))
 
-    def _read_file(self, directory: Path, reads: list[_Read]) -> list[_Read]:
+    def _read_file(self, directory: Path, reads: list[_Read]) -> None:
         """Read one file's items into their destinations, verifying checksums.
 
         Whole items into contiguous CPU destinations, from a file this process has not mapped (a restart),
@@ -272,7 +294,6 @@ class MemoryStorageReader(StorageReader):
                     self._check(r, actual, path)
             finally:
                 os.close(fd)
-        return reads
 
     def _read_mapped(self, mf: MappedFile, reads: list[_Read], path: Path) -> None:
         """Copy each read from the mapping. A whole item into a CPU tensor is hashed chunk by chunk as it
@@ -315,6 +336,10 @@ class _Read:
     loc: ShardLocation
     dst: torch.Tensor | None
     data: bytes = b""
+    plain: bool = field(init=False)  # dst is a tensor whose bytes are its values (storable.problem)
+
+    def __post_init__(self) -> None:
+        self.plain = self.dst is not None and storable.problem(self.dst) is None
 
     def whole(self) -> bool:
         """True if the whole stored item goes unchanged into a contiguous CPU tensor whose bytes are its
@@ -323,7 +348,7 @@ class _Read:
             return True
         return (
             self.dst.device.type == "cpu"
-            and storable.problem(self.dst) is None
+            and self.plain
             and not self.dst.is_conj()  # its bytes are the conjugate (or negation) of its values
             and not self.dst.is_neg()
             and self.dst.is_contiguous()
@@ -343,6 +368,42 @@ def _region(stored: torch.Tensor, r: _Read) -> torch.Tensor:
             f"match destination {tuple(r.dst.size())}"
         )
     return src
+
+
+def _shares_memory(reads: list[_Read]) -> list[bool]:
+    """For each read, whether its destination's memory overlaps another read's destination. Byte spans
+    (from the first to one past the last element, so interleaved strided views count as overlapping)
+    are sorted by start, per device: O(n log n) in the reads. A destination whose bytes are not plain
+    memory of its own (a tensor subclass, whose copy_ writes where it decides; sparse, meta) counts as
+    overlapping, to be safe."""
+    shared = [False] * len(reads)
+    by_device: dict[torch.device, list[tuple[int, int, int]]] = {}
+    for i, r in enumerate(reads):
+        dst = r.dst
+        if dst is None or dst.numel() == 0:
+            continue
+        if not r.plain:
+            shared[i] = True
+            continue
+        if dst.is_contiguous():
+            nbytes = dst.nbytes
+        else:
+            last = sum((n - 1) * stride for n, stride in zip(dst.shape, dst.stride(), strict=True))
+            nbytes = (last + 1) * dst.element_size()
+        start = dst.data_ptr()
+        by_device.setdefault(dst.device, []).append((start, start + nbytes, i))
+    for spans in by_device.values():
+        spans.sort()
+        first, end = 0, 0  # the group's first span not marked yet, and the group's end
+        for k, (start, stop, _) in enumerate(spans):
+            if start >= end:  # overlaps no span before it: a new group
+                first, end = k, stop
+                continue
+            end = max(end, stop)
+            for *_, i in spans[first : k + 1]:
+                shared[i] = True
+            first = k + 1
+    return shared
 
 
 def _item_name(index: MetadataIndex) -> str:
