@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 _begun: weakref.WeakValueDictionary[tuple[str, str], MemoryStorageWriter] = weakref.WeakValueDictionary()
 _begun_lock = threading.Lock()
 _DCP_SAVE_FILE = state_dict_saver.__file__  # dcp.save and async_save's background save run in there
+# thread ident -> the writer whose save the thread works for now (staging, or DCP's save): _saving_elsewhere
+_thread_writer: dict[int, weakref.ref[MemoryStorageWriter]] = {}
 
 
 def _releases_slot_on_error(method: F) -> F:
@@ -138,6 +140,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Copy ``state_dict``'s tensors into tmpfs shard files; training may go on once this returns."""
         here = (os.getpid(), threading.get_ident())
+        self._works_in_this_thread()
         try:
             self.store.check_open()
             staged, ticket = Stager.of(self.store).stage(state_dict)
@@ -209,6 +212,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
 
     @_releases_slot_on_error
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._works_in_this_thread()
         if not self._armed:  # DCP skips reset() when checkpoint_id is None: take this save's staged state now
             self.reset(None)
         self._armed = False
@@ -296,12 +300,21 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         thread = self._begun_by
         if thread is None or thread is threading.current_thread() or not thread.is_alive():
             return False
+        works_for = _thread_writer.get(
+            thread.ident
+        )  # no lock: the caller holds _begun_lock; dict ops are atomic
+        if works_for is None or works_for() is not self:
+            return False  # that thread has gone on to another save (still inside DCP: its frames cannot tell)
         frame = sys._current_frames().get(thread.ident)
         while frame is not None:
             if frame.f_code.co_filename == _DCP_SAVE_FILE:
                 return True
             frame = frame.f_back
         return False
+
+    def _works_in_this_thread(self) -> None:
+        """Note that this thread works for this writer's save now (staging it, or running DCP's save)."""
+        _thread_writer[threading.get_ident()] = weakref.ref(self)  # one dict store: atomic
 
     def _being_saved(self, by: str) -> str:
         return (

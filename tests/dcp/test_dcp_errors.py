@@ -17,6 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from dcp_state import assert_tree_equal, async_save, load, load_fresh, save, snapshot, store_tree
 from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint._async_thread_executor import _ThreadBasedAsyncCheckpointExecutor
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.testing._internal.two_tensor import TwoTensor
 
@@ -445,6 +446,23 @@ def test_retrying_an_id_whose_save_failed_elsewhere_is_not_refused(quick_store, 
         async_save(quick_store, _state(2), "x").result(timeout=60)
     assert_tree_equal(_state(2), load_fresh(quick_store, _state(2), "x"))
     del ei
+
+
+def test_retrying_a_failed_id_with_async_save_while_async_save_has_not_returned(quick_store, monkeypatch):
+    """The thread of the failed save of "x" is still inside ``dcp.async_save`` (its retry of "x") when the
+    background save of that retry plans: it is the retry's thread now, not a save of "x" still running."""
+    with pytest.raises(BaseException, match="failed elsewhere"):  # noqa: B017 - CheckpointException
+        save(quick_store, _state(1), "x", planner=_FailAfterBegin())
+    submit = _ThreadBasedAsyncCheckpointExecutor.execute_save
+
+    def submit_then_linger(self, *args, **kwargs):  # fault injection: widens a window that is short
+        fut = submit(self, *args, **kwargs)
+        time.sleep(1.0)  # the background save plans while this thread is still inside dcp.async_save
+        return fut
+
+    monkeypatch.setattr(_ThreadBasedAsyncCheckpointExecutor, "execute_save", submit_then_linger)
+    async_save(quick_store, _state(2), "x").result(timeout=60)
+    assert_tree_equal(_state(2), load_fresh(quick_store, _state(2), "x"))
 
 
 def test_dcp_entry_points_that_reset_without_an_id_read_the_checkpoint_the_reader_was_aimed_at(quick_store):
