@@ -42,10 +42,11 @@ def test_list_show_delete(root, capsys):
 
     assert _cli(capsys, "delete", "step-1", "--root", root, "--job-id", "j")[0] == 0
     assert store.list_checkpoints() == ["step-2"]
+    store.close()  # stops the allocation of the next save's files, which would outlive the root's removal
 
 
 def test_unknown_checkpoint_is_a_clear_error(root, capsys):
-    MemStore(root=root, job_id="j")
+    MemStore(root=root, job_id="j").close()
     code, _, err = _cli(capsys, "show", "nope", "--root", root, "--job-id", "j")
     assert code == 2
     assert "checkpoint 'nope' not found" in err
