@@ -300,9 +300,8 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         thread = self._begun_by
         if thread is None or thread is threading.current_thread() or not thread.is_alive():
             return False
-        works_for = _thread_writer.get(
-            thread.ident
-        )  # no lock: the caller holds _begun_lock; dict ops are atomic
+        # no lock: the caller may hold _begun_lock, and one dict lookup is atomic
+        works_for = _thread_writer.get(thread.ident)
         if works_for is None or works_for() is not self:
             return False  # that thread has gone on to another save (still inside DCP: its frames cannot tell)
         frame = sys._current_frames().get(thread.ident)

@@ -12,6 +12,7 @@ is refused.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -106,10 +107,7 @@ class ManifestItem:
             return
         if loc.shape is None:
             raise ValueError(f"item {item_name(self.fqn, self.chunk_offset)} has a dtype but no shape")
-        numel = 1
-        for s in loc.shape:
-            numel *= s
-        needed = numel * dtype_from_name(loc.dtype).itemsize
+        needed = math.prod(loc.shape) * dtype_from_name(loc.dtype).itemsize
         if loc.length != needed or any(s < 0 for s in loc.shape):
             raise ValueError(
                 f"item {item_name(self.fqn, self.chunk_offset)} in {loc.file} is {loc.length} bytes long, "
