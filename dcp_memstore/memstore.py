@@ -32,7 +32,7 @@ from dcp_memstore.replication.select import TRANSPORTS
 from dcp_memstore.replication.service import ReplicationService
 from dcp_memstore.replication.tcp import TcpTransport
 from dcp_memstore.status import CheckpointStatus
-from dcp_memstore.store import catalog, space
+from dcp_memstore.store import catalog, liveness, space
 from dcp_memstore.store.collective import all_gather_records, dist_active
 from dcp_memstore.store.ids import validate_name
 from dcp_memstore.store.layout import COMMITTED, MANIFEST, StoreLayout
@@ -223,6 +223,7 @@ class MemStore(ReplicatingStore):
             )
         self._closed = False
         self._close_hooks: list[Callable[[], None]] = []
+        liveness.own_token(self.layout)  # this process's lock: its saves and loads record it as owner
         cleared = catalog.clear_abandoned(self.layout)
         if cleared:
             log.info("cleared uncommitted leftovers of dead saves: %s", cleared)

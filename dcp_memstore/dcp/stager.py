@@ -94,7 +94,7 @@ class Stager:
             try:
                 with space_errors(self.store.layout.root, sum(file_sizes), "while staging"):
                     slot.mkdir(parents=True)  # a tmpfs full before the files were allocated
-                    claim_owner(slot)
+                    claim_owner(self.store.layout, slot)
                 claimed = run_parallel(  # a new file's page faults are taken in parallel
                     lambda b: pool.acquire(slot / shard_name(rank, b), file_sizes[b]),
                     range(len(file_sizes)),
@@ -143,7 +143,7 @@ class Stager:
         slot = self._slot_for(current_rank(), ticket)
         try:
             slot.mkdir(parents=True)
-            claim_owner(slot)
+            claim_owner(self.store.layout, slot)
         except OSError:
             recycle(self.store.layout, slot)
             ticket.slot = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -287,8 +288,10 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         owner = catalog.saving_process(layout, cid)
         if owner is not None:
             since = time.strftime("%H:%M:%S", time.localtime(owner.get("started", 0)))
+            host = owner.get("host")
+            where = "" if host == socket.gethostname() else f" on host {host}"
             raise CheckpointExistsError(
-                self._being_saved(f"process {owner.get('pid')} (since {since})")
+                self._being_saved(f"process {owner.get('pid')}{where} (since {since})")
                 + ". Two runs with the same root and job id share one store: give each run its own job_id "
                 "(MemStore(job_id=...) or DCP_MEMSTORE_JOB_ID)"
             )

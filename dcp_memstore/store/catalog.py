@@ -26,6 +26,7 @@ from pathlib import Path
 
 import psutil
 
+from dcp_memstore.store import liveness
 from dcp_memstore.store.layout import COMMITTED, HOLDS, INPROGRESS, OWNER, StoreLayout, name_pid, shard_rank
 from dcp_memstore.store.pool import FilePool
 from dcp_memstore.store.records import read_record, write_record
@@ -52,9 +53,12 @@ class CommitRecord:
         return cls(checkpoint_id, int(r["seq"]), float(r["committed_at"]), int(r["nbytes"]))
 
 
-def _owner() -> dict:
+def _owner(layout: StoreLayout) -> dict:
+    """The owner record of this process: its lock token (see ``liveness``), and pid, start time and host
+    for messages and for the parent/child test of ``saving_process``."""
     p = psutil.Process()
     return {
+        "lock": liveness.own_token(layout),
         "pid": p.pid,
         "create_time": p.create_time(),
         "host": socket.gethostname(),
@@ -62,9 +66,13 @@ def _owner() -> dict:
     }
 
 
-def _owner_alive(owner: dict) -> bool:
+def _owner_alive(layout: StoreLayout, owner: dict) -> bool:
+    """Whether the process of owner record ``owner`` still runs: by its lock; a record without one (an
+    earlier version's) by pid and start time, and on another host it is not ours to judge."""
+    if liveness.is_token(owner.get("lock")):
+        return liveness.alive(layout, owner["lock"])
     if owner.get("host") != socket.gethostname():
-        return True  # not ours to judge
+        return True
     try:
         return abs(psutil.Process(owner["pid"]).create_time() - owner["create_time"]) < 1e-3
     except (psutil.NoSuchProcess, KeyError, TypeError):
@@ -81,7 +89,7 @@ def begin(layout: StoreLayout, checkpoint_id: str) -> Path:
     final = layout.checkpoint_dir(checkpoint_id)
     tmp = layout.checkpoints_dir / f".new-{os.getpid()}-{uuid.uuid4().hex}"
     tmp.mkdir(parents=True)
-    write_record(tmp / INPROGRESS, _owner())
+    write_record(tmp / INPROGRESS, _owner(layout))
     try:
         os.rename(tmp, final)
     except OSError:
@@ -96,7 +104,7 @@ def saving_process(layout: StoreLayout, checkpoint_id: str) -> dict | None:
     is a dead process's. DCP's checkpoint process is the trainer's child and lives as long as the job: a
     directory that one of its saves left when it failed must not keep the trainer from saving that id."""
     owner = _safe_read(layout.checkpoint_dir(checkpoint_id) / INPROGRESS)
-    if owner is None or _is_self(owner) or not _owner_alive(owner):
+    if owner is None or _is_self(owner) or not _owner_alive(layout, owner):
         return None
     if owner.get("host") == socket.gethostname() and _related(owner.get("pid")):
         return None
@@ -266,7 +274,7 @@ def process_hold(layout: StoreLayout, checkpoint_id: str, purpose: str) -> str |
     for good. Returns None, holding nothing, if the checkpoint is not committed (evicted or deleted)."""
     name = f"{purpose}-p{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        hold(layout, checkpoint_id, name, _owner())
+        hold(layout, checkpoint_id, name, _owner(layout))
     except FileNotFoundError:
         return None
     # committed now and held: no eviction removes it before release. A directory without COMMITTED is a
@@ -302,7 +310,7 @@ def holds(layout: StoreLayout, checkpoint_id: str) -> list[str]:
     for name in names:
         if _PROCESS_HOLD_RE.fullmatch(name):
             owner = _safe_read(layout.checkpoint_dir(checkpoint_id) / HOLDS / name)
-            if owner is not None and not _owner_alive(owner):
+            if owner is not None and not _owner_alive(layout, owner):
                 release(layout, checkpoint_id, name)
                 continue
         live.append(name)
@@ -380,7 +388,7 @@ def clear_abandoned(
             continue
         d = Path(e.path)
         if e.name.startswith(".new-"):  # .new-<pid>-<id>: a checkpoint directory being made
-            if not _maker_alive(d):
+            if not _maker_alive(layout, d):
                 shutil.rmtree(d, ignore_errors=True)
             continue
         if (d / COMMITTED).exists():
@@ -394,33 +402,35 @@ def clear_abandoned(
                 continue
             stale = True  # neither marker: a directory no save protocol step leaves behind
         else:
-            stale = not _owner_alive(owner) or (
+            stale = not _owner_alive(layout, owner) or (
                 before is not None and _is_self(owner) and owner.get("started", before) < before
             )
         if stale:
             discard(layout, d)
             cleared.append(e.name)
     for s in list(os.scandir(layout.staging_dir)) if layout.staging_dir.exists() else []:
-        if s.is_dir() and not _maker_alive(Path(s.path)):
+        if s.is_dir() and not _maker_alive(layout, Path(s.path)):
             recycle(layout, Path(s.path))  # staged by a process that died before its save used the slot
     for t in list(os.scandir(layout.trash_dir)) if layout.trash_dir.exists() else []:
         recycle(layout, Path(t.path))
     for area in layout.pools_dir.glob("rank*/reserve-*"):
-        if area.is_dir() and not _maker_alive(area):
+        if area.is_dir() and not _maker_alive(layout, area):
             recycle(layout, area)  # files a dead process was allocating ahead of its next save
+    liveness.sweep(layout)
     return cleared
 
 
-def claim_owner(directory: Path) -> None:
-    """Record this process as the owner of ``directory`` (a staging slot), for ``clear_abandoned``."""
-    write_record(directory / OWNER, _owner())
+def claim_owner(layout: StoreLayout, directory: Path) -> None:
+    """Record this process as the owner of ``directory`` (a staging slot or reservation area of
+    ``layout``'s job), for ``clear_abandoned``."""
+    write_record(directory / OWNER, _owner(layout))
 
 
-def _maker_alive(directory: Path) -> bool:
+def _maker_alive(layout: StoreLayout, directory: Path) -> bool:
     """Whether the process that made ``directory`` (owner record, else the pid in its name) still runs."""
     owner = _safe_read(directory / OWNER) or _safe_read(directory / INPROGRESS)
     if owner is not None:
-        return _owner_alive(owner)
+        return _owner_alive(layout, owner)
     pid = name_pid(directory.name)
     return pid is not None and psutil.pid_exists(pid)
 

@@ -4,6 +4,8 @@
     <root>/<job_id>/checkpoints/<checkpoint_id>/holds/<reason>   retention holds (owed uploads, replicas,
                                                    running loads)
     <root>/<job_id>/retention.lock                 flock: placing a hold against evicting
+    <root>/<job_id>/procs/<token>.lock             flock held by each live process that writes owner
+                                                   records (see ``liveness``)
     <root>/<job_id>/staging/<slot>/                async-save staging areas (become checkpoint files)
     <root>/<job_id>/pool/rank<r>/                  shard files of evicted checkpoints, reused by rank r
     <root>/<job_id>/pool/rank<r>/reserve-<...>/    files being allocated ahead of rank r's next save
@@ -109,6 +111,11 @@ class StoreLayout:
     def retention_lock(self) -> Path:
         """The lock file that serialises placing a retention hold against eviction (see ``catalog``)."""
         return self.job_dir / "retention.lock"
+
+    @property
+    def procs_dir(self) -> Path:
+        """The lock files that tell whether the processes named in owner records live (``liveness``)."""
+        return self.job_dir / "procs"
 
     def checkpoint_dir(self, checkpoint_id: str) -> Path:
         return self.checkpoints_dir / checkpoint_id

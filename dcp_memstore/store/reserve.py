@@ -145,7 +145,8 @@ class Reservation:
             area = pool.dir / reserve_name(self.rank, os.getpid(), uuid.uuid4().hex[:8])
             area.mkdir()
             try:
-                claim_owner(area)  # a process killed meanwhile leaves the area to clear_abandoned
+                # a process killed from here on leaves the area to clear_abandoned
+                claim_owner(self.layout, area)
                 if self.cuda_device is not None:
                     torch.cuda.set_device(self.cuda_device)
                 for b, size in enumerate(missing):

@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -25,6 +27,7 @@ from dcp_memstore import InsufficientSpaceError, MemoryStorageReader, MemoryStor
 from dcp_memstore.dcp.reader import NEEDS_CHECKPOINT_ID
 from dcp_memstore.errors import ChecksumMismatchError, TruncatedShardError
 from dcp_memstore.replication.transport import ReplicationError
+from dcp_memstore.store import liveness
 from dcp_memstore.store.layout import INPROGRESS
 from dcp_memstore.store.records import write_record
 from dcp_memstore.store.space import free_bytes
@@ -403,6 +406,48 @@ def test_a_save_of_an_id_another_running_process_is_saving_is_refused(quick_stor
         other.wait(10)
     save(quick_store, _state(2), "x")
     assert_tree_equal(_state(2), load_fresh(quick_store, _state(2), "x"))
+
+
+_STUCK_SAVE = """
+import sys, threading, torch, torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
+from dcp_memstore import MemoryStorageWriter, MemStore
+
+class Stuck(DefaultSavePlanner):  # the save's directory is begun before finish_plan
+    def finish_plan(self, new_plan):
+        print("begun", flush=True)
+        threading.Event().wait()
+
+store = MemStore(root=sys.argv[1], job_id="job")
+dcp.save({"w": torch.ones(1000)}, storage_writer=MemoryStorageWriter(store), checkpoint_id="x",
+         planner=Stuck(), no_dist=True)
+"""
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0, reason="needs unshare and root")
+def test_a_save_killed_in_another_container_is_cleared_once_its_process_is_gone(quick_store):
+    """A job restarted in a new container (new hostname, new PID namespace) that shares the node's tmpfs
+    finds the directory of a save killed in the old container: it must be cleared, not kept for good. A
+    save running in the other container is left alone while its process lives."""
+    with subprocess.Popen(
+        ["unshare", "--uts", "--pid", "--fork", "--mount-proc", "sh", "-c", 'hostname other-box && exec "$@"']
+        + ["sh", sys.executable, "-c", _STUCK_SAVE, str(quick_store.layout.root)],
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as box:
+        try:
+            assert box.stdout.readline() == "begun\n"
+            with pytest.raises(BaseException) as ei:  # noqa: B017 (CheckpointException: BaseException)
+                save(quick_store, _state(2), "x")
+            assert "'x' is being saved right now by process 1 on host other-box" in str(ei.value), ei.value
+        finally:
+            for p in psutil.Process(box.pid).children(recursive=True):
+                p.kill()  # SIGKILL the save in the other container
+            box.wait(30)
+    save(quick_store, _state(2), "x")
+    assert_tree_equal(_state(2), load_fresh(quick_store, _state(2), "x"))
+    # the dead process's lock file went with its leftovers; this process's own stays while it lives
+    assert os.listdir(quick_store.layout.procs_dir) == [f"{liveness.own_token(quick_store.layout)}.lock"]
 
 
 def test_space_check_counts_alignment_and_manifest_not_just_tensor_bytes(tmpfs_store):
