@@ -200,6 +200,15 @@ def committed(layout: StoreLayout) -> list[CommitRecord]:
     return sorted(out, key=lambda r: r.seq)
 
 
+def shard_ranks(layout: StoreLayout, checkpoint_id: str) -> set[int]:
+    """The ranks with a shard file in this node's directory of ``checkpoint_id`` (empty if it is gone)."""
+    try:
+        names = os.listdir(layout.checkpoint_dir(checkpoint_id))
+    except (FileNotFoundError, NotADirectoryError):
+        return set()
+    return {rank for name in names if (rank := shard_rank(name)) is not None}
+
+
 def discard(layout: StoreLayout, directory: Path) -> None:
     """Make ``directory`` invisible at once (rename into trash), return its shard files to their ranks'
     pools, and delete the rest. A trash directory removed under this process (``rm -rf`` of the job's

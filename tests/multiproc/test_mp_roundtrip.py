@@ -151,3 +151,22 @@ def test_four_ranks_round_trip_and_reshard_from_two(two_rank_store: tuple[MultiP
     assert sorted(p.name for p in (mp.root / "four" / "checkpoints").iterdir()) == [
         ckpt(s) for s in SEEDS[-2:]
     ]
+
+
+def test_a_job_restarted_with_fewer_ranks_frees_the_pools_of_the_ranks_it_lost(mp: MultiProc) -> None:
+    """A 2-rank job leaves both ranks' reusable shard files in the pools; restarted on one rank, its first
+    commit must free rank 1's (no save of rank 1 comes to reuse them) and keep rank 0's for its next save."""
+    mp.run(save_and_load, 2, str(mp.root), "shrink")
+    store = MemStore(mp.root, "shrink", keep_in_memory=2, io_threads=2)
+    try:
+        layout = store.layout
+        assert [len(list(layout.pool_dir(r).glob("*.shard"))) for r in (0, 1)] == [2, 2]
+        state = rank_state(21, 0)
+        dcp.save(state, checkpoint_id="one-rank", storage_writer=MemoryStorageWriter(store), no_dist=True)
+        assert list(layout.pool_dir(1).glob("*.shard")) == []
+        assert len(list(layout.pool_dir(0).glob("*.shard"))) == 2
+        target = blank_like(state)
+        dcp.load(target, checkpoint_id="one-rank", storage_reader=MemoryStorageReader(store), no_dist=True)
+        assert_bit_equal(target, state, "one-rank")
+    finally:
+        store.close()
