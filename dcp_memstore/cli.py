@@ -13,42 +13,45 @@ import time
 
 from dcp_memstore.memstore import MemStore, resolve_job_id, resolve_root
 from dcp_memstore.store import catalog
-from dcp_memstore.store.layout import MANIFEST
+from dcp_memstore.store.ids import validate_name
+from dcp_memstore.store.layout import MANIFEST, StoreLayout
 from dcp_memstore.store.manifest import Manifest
 
 
-def _store(args: argparse.Namespace) -> MemStore:
-    """The store named by the arguments; an error (not a new empty store) if there is none."""
+def _layout(args: argparse.Namespace) -> StoreLayout:
+    """The store named by the arguments; an error (not a new empty store) if there is none. Looking needs
+    no ``MemStore``: ``list`` and ``show`` change nothing, warn about nothing and work on a read-only
+    mount of the store's tmpfs."""
     root, job = resolve_root(args.root), resolve_job_id(args.job_id)
-    if not (root / job / "checkpoints").is_dir():
+    layout = StoreLayout(root, job)
+    if not layout.checkpoints_dir.is_dir():
         raise FileNotFoundError(
             f"no dcp_memstore store for job {job!r} under {root}; check --root and --job-id"
         )
-    # one io thread: the command copies nothing, and a delete then keeps one pooled file per rank
-    return MemStore(root=root, job_id=job, io_threads=1)
+    return layout
 
 
 def _list(args: argparse.Namespace) -> int:
-    store = _store(args)
-    recs = catalog.committed(store.layout)
-    print(f"store {store.layout.job_dir}: {len(recs)} committed checkpoint(s)")
+    layout = _layout(args)
+    recs = catalog.committed(layout)
+    print(f"store {layout.job_dir}: {len(recs)} committed checkpoint(s)")
     for r in recs:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.committed_at))
-        held = catalog.holds(store.layout, r.checkpoint_id)
+        held = catalog.hold_names(layout, r.checkpoint_id)
         note = f"  held for: {', '.join(held)}" if held else ""
         print(f"  {r.checkpoint_id:<32} seq {r.seq:<6} {r.nbytes / 2**20:10.1f} MiB  {when}{note}")
     return 0
 
 
 def _show(args: argparse.Namespace) -> int:
-    store = _store(args)
-    d = store.require_checkpoint(args.checkpoint_id)
+    layout = _layout(args)
+    d = catalog.require_committed(layout, validate_name(args.checkpoint_id))
     m = Manifest.read(d / MANIFEST)
     print(
         f"checkpoint {m.checkpoint_id}: {len(m.items)} items, {m.nbytes} bytes, "
         f"written by {m.world_size} rank(s)"
     )
-    held = catalog.holds(store.layout, m.checkpoint_id)
+    held = catalog.hold_names(layout, m.checkpoint_id)
     if held:  # e.g. "persist": owed to persistent storage, not evicted until uploaded
         print(f"  held in memory for: {', '.join(held)}")
     for name, size in sorted(m.files.items()):
@@ -64,7 +67,10 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _delete(args: argparse.Namespace) -> int:
-    _store(args).delete(args.checkpoint_id)
+    layout = _layout(args)
+    # one io thread: the command copies nothing, and the delete then keeps one pooled file per rank
+    with MemStore(root=layout.root, job_id=layout.job_id, io_threads=1) as store:
+        store.delete(args.checkpoint_id)
     print(f"deleted {args.checkpoint_id}")
     return 0
 

@@ -305,13 +305,7 @@ class MemStore(ReplicatingStore):
         """The directory of committed checkpoint ``checkpoint_id``;
         FileNotFoundError naming those that exist."""
         self.check_open()
-        cid = validate_name(checkpoint_id)
-        if catalog.read_commit(self.layout, cid) is None:
-            raise FileNotFoundError(
-                f"checkpoint {cid!r} not found in store {self.layout.job_dir}; "
-                f"committed checkpoints: {self.list_checkpoints() or 'none'}"
-            )
-        return self.layout.checkpoint_dir(cid)
+        return catalog.require_committed(self.layout, validate_name(checkpoint_id))
 
     def open_checkpoint(self, checkpoint_id: str) -> CheckpointSource:
         """Where committed checkpoint ``checkpoint_id`` can be read from; FileNotFoundError naming the

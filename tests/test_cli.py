@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -62,6 +65,30 @@ def test_list_and_show_say_which_checkpoints_are_held(root, capsys, tmp_path):
     assert code == 0 and "held for: persist" in out
     code, out, _ = _cli(capsys, "show", "a", "--root", root, "--job-id", "j")
     assert code == 0 and "held in memory for: persist" in out
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="bind mounts need root")
+def test_list_and_show_change_nothing_warn_about_nothing_and_work_read_only(root, capsys, tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_bytes(b"")  # uploads fail: the checkpoint stays owed to persistent storage
+    store = MemStore(root=root, job_id="j", persist_to=str(blocked), persist_every=1, persist_on_close=False)
+    dcp.save({"w": torch.ones(3)}, checkpoint_id="a", storage_writer=MemoryStorageWriter(store), no_dist=True)
+    store.close()
+    before = sorted(str(p) for p in Path(root).rglob("*"))
+    view = tmp_path / "ro"
+    view.mkdir()
+    subprocess.run(["mount", "--bind", root, str(view)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(view)], check=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # e.g. "owed to persistent storage, but no persist_to"
+            code, out, err = _cli(capsys, "list", "--root", str(view), "--job-id", "j")
+            assert (code, err) == (0, "") and "held for: persist" in out
+            code, out, err = _cli(capsys, "show", "a", "--root", str(view), "--job-id", "j")
+            assert (code, err) == (0, "") and "held in memory for: persist" in out
+    finally:
+        subprocess.run(["umount", str(view)], check=True)
+    assert sorted(str(p) for p in Path(root).rglob("*")) == before
 
 
 def _tree_bytes(path: str) -> int:

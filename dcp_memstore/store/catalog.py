@@ -175,6 +175,17 @@ def read_commit(layout: StoreLayout, checkpoint_id: str) -> CommitRecord | None:
         ) from e
 
 
+def require_committed(layout: StoreLayout, checkpoint_id: str) -> Path:
+    """The directory of committed checkpoint ``checkpoint_id`` (a valid name); FileNotFoundError naming
+    the ones that exist."""
+    if read_commit(layout, checkpoint_id) is None:
+        raise FileNotFoundError(
+            f"checkpoint {checkpoint_id!r} not found in store {layout.job_dir}; "
+            f"committed checkpoints: {[r.checkpoint_id for r in committed(layout)] or 'none'}"
+        )
+    return layout.checkpoint_dir(checkpoint_id)
+
+
 def committed(layout: StoreLayout) -> list[CommitRecord]:
     """Committed checkpoints, oldest first. One whose commit marker is corrupt is left out (logged once per
     process), so that one damaged checkpoint does not stop listings, resuming or saving; its directory
@@ -303,20 +314,25 @@ def release(layout: StoreLayout, checkpoint_id: str, reason: str) -> None:
         (layout.checkpoint_dir(checkpoint_id) / HOLDS / reason).unlink()
 
 
-def holds(layout: StoreLayout, checkpoint_id: str) -> list[str]:
-    """The reasons ``checkpoint_id`` is held in memory, sorted (empty: evictable). Holds of processes that
-    died (see ``process_hold``) are dropped here and not listed."""
+def hold_names(layout: StoreLayout, checkpoint_id: str) -> list[str]:
+    """The holds of ``checkpoint_id`` as they are on disk, sorted: also those of dead processes, which
+    ``holds`` drops (a look that changes nothing, e.g. on a read-only mount)."""
     try:
         # a dot name is a hold being written (records.write_atomic), or one whose writer was killed
-        names = sorted(
+        return sorted(
             e.name
             for e in os.scandir(layout.checkpoint_dir(checkpoint_id) / HOLDS)
             if not e.name.startswith(".")
         )
     except (FileNotFoundError, NotADirectoryError):
         return []
+
+
+def holds(layout: StoreLayout, checkpoint_id: str) -> list[str]:
+    """The reasons ``checkpoint_id`` is held in memory, sorted (empty: evictable). Holds of processes that
+    died (see ``process_hold``) are dropped here and not listed."""
     live = []
-    for name in names:
+    for name in hold_names(layout, checkpoint_id):
         if _PROCESS_HOLD_RE.fullmatch(name):
             owner = _safe_read(layout.checkpoint_dir(checkpoint_id) / HOLDS / name)
             if owner is not None and not _owner_alive(layout, owner):
