@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_memstore.dcp.stager import Stager
+from dcp_memstore.dcp.state_tree import own_copies_in
 from dcp_memstore.dcp.storable import check_tensor
 from dcp_memstore.memstore import MemStore
 from dcp_memstore.store import catalog
@@ -77,6 +78,8 @@ class RankWrite:
         to_copy: list[tuple[WriteItem, torch.Tensor]] = []
         objects: list[tuple[WriteItem, memoryview]] = []
         for item in self.plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                self._copy_out_of_files(item)
             data = self.planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
                 buf = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
@@ -190,6 +193,14 @@ class RankWrite:
             if mf is None:
                 os.close(fd)
         return out
+
+    def _copy_out_of_files(self, item: WriteItem) -> None:
+        """Before DCP pickles value ``item`` whole: tensors in it that the stager put into shard files get
+        copies of their own (see ``state_tree.own_copies_in``). Only in a staged save, whose state dict is
+        this save's own copy, and with a planner that can look the value up (DCP's default one can)."""
+        lookup = getattr(self.planner, "lookup_object", None)
+        if self.slot is not None and lookup is not None:
+            own_copies_in(lookup(item.index), lambda t: MAPPINGS.find(t) is not None)
 
     def _write_objects(self, objects: list[tuple[WriteItem, memoryview]]) -> None:
         if not objects:

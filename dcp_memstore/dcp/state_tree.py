@@ -79,6 +79,23 @@ def _rebuild(value: Any, replace: Callable[[torch.Tensor], torch.Tensor], copies
     return value if isinstance(value, _ATOMS) else next(copies)
 
 
+def own_copies_in(value: Any, in_file: Callable[[torch.Tensor], bool]) -> None:
+    """Replace, in place inside ``value`` (a dict or list that DCP is about to pickle whole), each tensor
+    that views a shard file (``in_file``) by a copy of its own; DTensors and ShardedTensors are rebuilt
+    around the copies. Pickled as a view, a tensor carries its whole storage, the shard file, and torch
+    refuses to pickle views of one storage as different dtypes. This is for staged values that DCP
+    pickles after all: with ``flatten_state_dict=False`` it pickles every nested dict, whose tensors the
+    stager put into shard files like every other."""
+    keys = list(value) if isinstance(value, dict) else range(len(value)) if _traversed_list(value) else ()
+    for k in keys:
+        child = value[k]
+        if isinstance(child, (torch.Tensor, ShardedTensor)):  # a DTensor is a torch.Tensor
+            if any(in_file(t) for t in tensors(child)):
+                value[k] = rebuild(child, lambda t: t.clone() if in_file(t) else t)
+        else:
+            own_copies_in(child, in_file)
+
+
 def _pickled_whole(value: Any) -> list[Any]:
     """The values in ``value`` that DCP pickles whole (other than immutable atoms), in traversal order."""
     out: list[Any] = []

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.testing._internal.two_tensor import TwoTensor
 
 from dcp_memstore import MemoryStorageReader, MemoryStorageWriter, MemStore
+from dcp_memstore.store.layout import objects_name
 
 
 def _save(mode, store, sd, cid, **kw):
@@ -319,3 +320,30 @@ def test_edge_case_state_dicts_round_trip(store, mode, case):
     _save(mode, store, sd, case)
     assert store.list_checkpoints() == [case]
     assert_tree_equal(expected, load_fresh(store, expected, case))
+
+
+def test_async_save_without_flattening_pickles_nested_tensors_at_their_own_size(store):
+    """With ``DefaultSavePlanner(flatten_state_dict=False)`` DCP pickles each top-level dict whole. The
+    stager copied the tensors in them into shard files like every other; pickled as views of a file,
+    each dict would carry the whole file (here the 4 MiB tensor beside them, once per dict)."""
+    big = torch.randn(1 << 20, generator=torch.Generator().manual_seed(0))
+    nested = {
+        f"group{i}": {"w": torch.full((1000,), float(i)), "step": i, "hist": [torch.arange(10) + i]}
+        for i in range(4)
+    }
+    sd = {"big": big, **nested}
+    dcp.async_save(
+        sd,
+        checkpoint_id="c",
+        storage_writer=MemoryStorageWriter(store),
+        planner=DefaultSavePlanner(flatten_state_dict=False),
+        no_dist=True,
+    ).result()
+    objects = store.layout.checkpoint_dir("c") / objects_name(0)
+    assert objects.stat().st_size < 256 << 10, objects.stat().st_size  # 4 x about 5 KB of values
+    out = {"big": torch.empty_like(big), **dict.fromkeys(nested)}
+    dcp.load(out, checkpoint_id="c", storage_reader=MemoryStorageReader(store), no_dist=True)
+    assert torch.equal(out["big"], big)
+    for k, v in nested.items():
+        assert torch.equal(out[k]["w"], v["w"]) and torch.equal(out[k]["hist"][0], v["hist"][0])
+        assert out[k]["step"] == v["step"] and out[k]["w"].untyped_storage().nbytes() == 4000

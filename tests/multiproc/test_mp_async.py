@@ -48,14 +48,15 @@ def sharded(full: torch.Tensor, rank: int, world: int) -> ShardedTensor:
     )
 
 
-def async_saves(rank: int, world: int, root: str, executor: str, plan_caching: bool) -> dict:
+def async_saves(rank: int, world: int, root: str, executor: str, plan_caching: bool, flatten: bool) -> dict:
     """Train in place, async-save after every step, clobber the live tensors while the save runs, wait on
-    each future; then load the kept checkpoints bit-exact."""
+    each future; then load the kept checkpoints bit-exact. Without ``flatten`` DCP pickles the nested dicts
+    whole (float, bfloat16 and int64 tensors in one of them)."""
     kind = AsyncCheckpointerType(executor)
     mesh = init_device_mesh("cpu", (world,))
     store = MemStore(root, "job", keep_in_memory=KEEP)
     writer = MemoryStorageWriter(store)  # one writer and one planner for the whole run, as a trainer would
-    planner = DefaultSavePlanner(enable_plan_caching=plan_caching)
+    planner = DefaultSavePlanner(enable_plan_caching=plan_caching, flatten_state_dict=flatten)
     live = expected_state(0, rank)
     live["dt"] = distribute_tensor(global_tensor(0), mesh, [Shard(0)])
     live["st"] = sharded(global_tensor(0), rank, world)
@@ -87,7 +88,8 @@ def async_saves(rank: int, world: int, root: str, executor: str, plan_caching: b
     reader = MemoryStorageReader(store)
     for step in range(SAVES - KEEP + 1, SAVES + 1):
         expected = expected_state(step, rank)
-        target = blank_like(expected)
+        # without flatten the nested dicts were pickled whole: DCP loads each into a key that holds None
+        target = blank_like(expected) if flatten else dict.fromkeys(expected)
         target["dt"] = distribute_tensor(torch.zeros(10, 6), mesh, [Shard(0)])
         target["st"] = sharded(torch.zeros(10, 6), rank, world)
         dcp.load(target, checkpoint_id=f"step-{step}", storage_reader=reader)
@@ -100,11 +102,17 @@ def async_saves(rank: int, world: int, root: str, executor: str, plan_caching: b
 
 
 @pytest.mark.parametrize(
-    ("executor", "plan_caching"),
-    [("thread", False), ("thread", True), ("process", False), ("process", True)],
+    ("executor", "plan_caching", "flatten"),
+    [
+        ("thread", False, True),
+        ("thread", True, True),
+        ("process", False, True),
+        ("process", True, True),
+        ("process", False, False),
+    ],
 )
-def test_async_saves_then_load(mp: MultiProc, executor: str, plan_caching: bool) -> None:
-    results = mp.run(async_saves, 2, str(mp.root), executor, plan_caching)
+def test_async_saves_then_load(mp: MultiProc, executor: str, plan_caching: bool, flatten: bool) -> None:
+    results = mp.run(async_saves, 2, str(mp.root), executor, plan_caching, flatten)
     kept = [f"step-{s}" for s in range(SAVES - KEEP + 1, SAVES + 1)]
     assert results == [{"listed": kept, "latest": kept[-1]}] * 2
     assert sorted(p.name for p in (mp.job_dir / "checkpoints").iterdir()) == kept
