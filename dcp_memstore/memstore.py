@@ -313,28 +313,14 @@ class MemStore(ReplicatingStore):
         marker is corrupt is passed over for another tier's copy, else its ValueError is raised."""
         self.check_open()
         cid = validate_name(checkpoint_id)
-        tiers = {
-            "_find_remote": functools.partial(self._remote, cid),
-            "_find_cluster": functools.partial(self._cluster_copy, cid),
-            "fetch_dir": self.layout.fetched_dir(cid),
-        }
-        damaged: ValueError | None = None
         try:
             if catalog.read_commit(self.layout, cid) is not None:
-                return CheckpointSource(cid, self.layout.checkpoint_dir(cid), **tiers)
+                return CheckpointSource(cid, self.layout.checkpoint_dir(cid), **self._tiers(cid))
         except ValueError as e:
-            damaged = e
-        cluster = self._cluster_copy(cid)
-        remote = None if cluster is not None else self._remote(cid)
-        if damaged is not None and (cluster is not None or remote is not None):
-            where = "the memory of the job's other nodes" if cluster is not None else self.target.url_of(cid)
-            log.warning("%s; reading it from %s instead", damaged, where)
-        if cluster is not None:
-            return CheckpointSource(cid, None, **{**tiers, "_find_cluster": lambda: cluster})
-        if remote is not None:
-            return CheckpointSource(cid, None, lambda: remote)
-        if damaged is not None:
-            raise damaged
+            return self.instead_of_local(cid, e)
+        src = self._other_tier(cid)
+        if src is not None:
+            return src
         persisted = ""
         if self.target is not None:
             try:
@@ -347,6 +333,37 @@ class MemStore(ReplicatingStore):
             f"checkpoint {cid!r} not found in store {self.layout.job_dir}{elsewhere}; "
             f"committed checkpoints: {self.list_checkpoints() or 'none'}{persisted}"
         )
+
+    def instead_of_local(self, checkpoint_id: str, damage: Exception) -> CheckpointSource:
+        """Another tier's copy of ``checkpoint_id``, whose copy on this node is damaged (``damage`` says
+        how: a corrupt commit marker or manifest), with a warning naming both; ``damage`` is raised if
+        no other tier has it."""
+        src = self._other_tier(checkpoint_id)
+        if src is None:
+            raise damage
+        where = (
+            "the memory of the job's other nodes"
+            if src.cluster is not None
+            else self.target.url_of(checkpoint_id)
+        )
+        log.warning("%s; reading it from %s instead", damage, where)
+        return src
+
+    def _tiers(self, cid: str) -> dict[str, Any]:
+        """The lookups of ``cid`` in the other tiers, for a ``CheckpointSource``."""
+        return {
+            "_find_remote": functools.partial(self._remote, cid),
+            "_find_cluster": functools.partial(self._cluster_copy, cid),
+            "fetch_dir": self.layout.fetched_dir(cid),
+        }
+
+    def _other_tier(self, cid: str) -> CheckpointSource | None:
+        """``cid`` in the other nodes' memory, else in persistent storage; None if in neither."""
+        cluster = self._cluster_copy(cid)
+        if cluster is not None:
+            return CheckpointSource(cid, None, **{**self._tiers(cid), "_find_cluster": lambda: cluster})
+        remote = self._remote(cid)
+        return CheckpointSource(cid, None, lambda: remote) if remote is not None else None
 
     def _remote(self, cid: str) -> RemoteCheckpoint | None:
         """The persisted copy of ``cid``, or None (not persisted, no target, or the target unreachable)."""

@@ -116,14 +116,18 @@ class MemoryStorageReader(StorageReader):
         self._release_hold()  # of an earlier load that failed between read_metadata and read_data
         try:
             self._source = src = self._held(src)
+            metadata = None
             if src.local_dir is not None:
-                manifest = Manifest.read(src.local_dir / MANIFEST)
-            elif src.cluster is not None:
+                try:
+                    metadata = metadata_of(Manifest.read(src.local_dir / MANIFEST))
+                except (ValueError, FileNotFoundError) as e:  # damaged here: read another tier's copy
+                    self._release_hold()
+                    self._source = src = self.store.instead_of_local(src.checkpoint_id, e)
+            if metadata is None and src.cluster is not None:
                 src.fetch_dir.mkdir(parents=True, exist_ok=True)
-                manifest = src.cluster.manifest(src.fetch_dir)
-            else:
-                manifest = src.remote.manifest
-            metadata = metadata_of(manifest)
+                metadata = metadata_of(src.cluster.manifest(src.fetch_dir))
+            elif metadata is None:
+                metadata = metadata_of(src.remote.manifest)
         except BaseException:
             self._release_hold()
             raise

@@ -200,6 +200,33 @@ def test_a_corrupt_local_commit_marker_is_passed_over_for_the_persisted_copy(shm
     assert f"reading it from {bucket_dir}/b instead" in caplog.text
 
 
+@pytest.mark.parametrize("damage", ["corrupt", "deleted"])
+def test_a_damaged_local_manifest_is_passed_over_for_the_persisted_copy(shm_dir, bucket_dir, caplog, damage):
+    """The local manifest of a persisted checkpoint is damaged: the load reads the persisted copy, with a
+    warning naming the damaged file, instead of failing; without a persisted copy it fails naming it."""
+    sd = _state(7)
+    with _pstore(shm_dir, bucket_dir, persist_every=1) as store:
+        save(store, sd, "b")
+        store.wait_persisted("b", timeout=60)
+        save(store, _state(8), "local-only")  # persist_every=1: wait for it, then damage its manifest too
+        store.wait_persisted("local-only", timeout=60)
+        subprocess.run(["rm", "-rf", str(bucket_dir / "local-only")], check=True)
+        for cid in ("b", "local-only"):
+            manifest = store.layout.checkpoint_dir(cid) / MANIFEST
+            if damage == "deleted":
+                manifest.unlink()
+            else:
+                data = bytearray(manifest.read_bytes())
+                data[len(data) // 2] ^= 0x01
+                manifest.write_bytes(data)
+        assert_tree_equal(sd, load(store, blank_like(sd), "b"))
+        assert f"{store.layout.checkpoint_dir('b') / MANIFEST}" in caplog.text
+        assert f"reading it from {bucket_dir}/b instead" in caplog.text
+        with pytest.raises(BaseException) as ei:  # noqa: B017 - DCP wraps it
+            load(store, blank_like(sd), "local-only")
+        assert str(store.layout.checkpoint_dir("local-only") / MANIFEST) in str(ei.value)
+
+
 def test_a_truncated_persisted_file_is_an_error_saying_how_short(shm_dir, bucket_dir):
     with _pstore(shm_dir, bucket_dir, persist_every=1) as store:
         save(store, _state(4), "c")
