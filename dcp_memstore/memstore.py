@@ -85,16 +85,28 @@ def _default_io_threads() -> int:
 
 @dataclass
 class CheckpointSource:
-    """Where a checkpoint can be read: this node's tmpfs (``local_dir``), the other nodes' memory
-    (``cluster``) and persistent storage (``remote``); the last two looked up on first use, None where
-    the checkpoint is not (or there is no such tier). ``fetch_dir``: where files fetched from other nodes
-    go on this node."""
+    """Where a checkpoint can be read: this node's tmpfs (``local_dir``), the replicas this node keeps
+    for other nodes (``replicas_dir``, see ``kept_replicas``), the other nodes' memory (``cluster``) and
+    persistent storage (``remote``); the last two looked up on first use, None where the checkpoint is
+    not (or there is no such tier). ``fetch_dir``: where files fetched from other nodes go on this node."""
 
     checkpoint_id: str
     local_dir: Path | None
     _find_remote: Any = field(repr=False, default=None)
     _find_cluster: Any = field(repr=False, default=None)
     fetch_dir: Path | None = None
+    replicas_dir: Path | None = None
+
+    def kept_replicas(self, file: str) -> list[Path]:
+        """The directories of this checkpoint's replicas on this node that hold ``file`` (another node's
+        file: e.g. the job now runs without that node). Only for a checkpoint committed here, whose
+        replicas are dropped only with it, so the load's hold on it keeps them too."""
+        if self.local_dir is None or self.replicas_dir is None:
+            return []
+        with contextlib.suppress(FileNotFoundError):
+            sources = sorted(os.scandir(self.replicas_dir), key=lambda e: e.name)
+            return [d for e in sources if (d := Path(e.path) / self.checkpoint_id).joinpath(file).is_file()]
+        return []
 
     @functools.cached_property
     def remote(self) -> RemoteCheckpoint | None:
@@ -315,7 +327,8 @@ class MemStore(ReplicatingStore):
         cid = validate_name(checkpoint_id)
         try:
             if catalog.read_commit(self.layout, cid) is not None:
-                return CheckpointSource(cid, self.layout.checkpoint_dir(cid), **self._tiers(cid))
+                local = self.layout.checkpoint_dir(cid)
+                return CheckpointSource(cid, local, **self._tiers(cid), replicas_dir=self.layout.replicas_dir)
         except ValueError as e:
             return self.instead_of_local(cid, e)
         src = self._other_tier(cid)

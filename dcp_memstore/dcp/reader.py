@@ -215,8 +215,9 @@ class MemoryStorageReader(StorageReader):
             self._read_file_or_fall_back(run)
 
     def _read_file_or_fall_back(self, reads: list[_Read]) -> None:
-        """Read one file's items from the nearest tier that has it intact: this node's copy, else a copy
-        fetched from another node's memory, else the persisted copy (the last error stands if none)."""
+        """Read one file's items from the nearest tier that has it intact: this node's copy, else a replica
+        this node keeps for another node, else a copy fetched from another node's memory, else the
+        persisted copy (the last error stands if none)."""
         src = self._source
         file = reads[0].loc.file
         error: Exception | None = None
@@ -226,6 +227,14 @@ class MemoryStorageReader(StorageReader):
                 return
             except (FileNotFoundError, CorruptShardError) as e:
                 error = e
+        for directory in src.kept_replicas(file):
+            try:
+                self._read_file(directory, reads)
+            except (FileNotFoundError, CorruptShardError) as e:
+                error = e
+                continue
+            log.warning("%s; read it from the replica this node keeps in %s instead", error, directory)
+            return
         if src.cluster is not None and src.cluster.has(file):
             # this node's own copy failed already: fetch from the others, and from the next holder when
             # a fetched copy fails its item checksums (the transfer checksum only proves the transfer)

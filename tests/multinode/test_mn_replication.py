@@ -54,7 +54,9 @@ print(json.dumps(out))
 
 
 def events(log: str) -> list[dict]:
-    return [json.loads(line.split("@@mn ", 1)[1]) for line in log.splitlines() if line.startswith("@@mn ")]
+    """The ``@@mn`` events in a node's log (ranks of one node share it: two may land on one line)."""
+    lines = (line for line in log.splitlines() if line.startswith("@@mn "))
+    return [json.loads(event) for line in lines for event in line.split("@@mn ")[1:]]
 
 
 def launch(cluster: Cluster, nodes: list[int], args: list, log_dir: Path, nproc: int = 1) -> list:
@@ -199,3 +201,13 @@ def test_peer_cut_off_during_replication_training_goes_on(cluster2, tmp_path):
     assert states[-1]["replication"] == "replicated" and not states[-1]["held"], states
     assert states[-1]["steps"] > retrying[0]["steps"]  # training went on while the peer was away
     assert replica_files(n1.root, "node0", "step-1") == checkpoint_files(n0.root, "step-1")
+
+
+def test_surviving_node_alone_loads_from_the_replicas_it_keeps(cluster2, tmp_path):
+    """Node 1 is lost for good and the job goes on with node 0 only (a job of one node, two ranks). Node
+    1's files of the newest checkpoint are in the replica node 0 keeps: the load reads them from there."""
+    run_job(cluster2, [0, 1], ["save", "--steps", 2, "--wait-replicated"], tmp_path)
+    cluster2.node(1).wipe_root()
+    (evs,) = run_job(cluster2, [0], ["load"], tmp_path, nproc=2)
+    assert [e["checkpoint"] for e in of(evs, "latest")] == ["step-2", "step-2"]
+    assert [e["ok"] for e in of(evs, "loaded")] == [True, True]
