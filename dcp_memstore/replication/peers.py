@@ -78,7 +78,30 @@ def lookup(store: Any, job_id: str, world_size: int, timeout_s: float) -> dict[i
     for r, k in enumerate(keys):
         host, port = bytes(store.get(k)).decode().rsplit(" ", 1)
         out[r] = (host, int(port))
+    check_reachable(out)
     return out
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name, not an address
+        return False
+
+
+def check_reachable(addresses: dict[int, PeerAddress]) -> None:
+    """Raise ValueError if some ranks announced a loopback address while others announced one on a
+    network: those are other machines, which cannot reach a loopback address. (All on loopback is one
+    machine, e.g. a test.) Typical cause: ``$MASTER_ADDR`` names the rendezvous host, whose name resolves
+    to 127.0.1.1 on that host itself, so its servers bound to the route to it."""
+    loopback = sorted(r for r, (host, _) in addresses.items() if _is_loopback(host))
+    if loopback and len(loopback) < len(addresses):
+        hosts = sorted({addresses[r][0] for r in loopback})
+        raise ValueError(
+            f"ranks {loopback} announced their replication servers on loopback addresses "
+            f"({', '.join(hosts)}), which the job's other nodes cannot reach; give those ranks' MemStore "
+            f"replication_bind= (or ${ENV_BIND}) their node's address on the job's network"
+        )
 
 
 @dataclass(frozen=True)

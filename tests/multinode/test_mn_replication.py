@@ -59,17 +59,19 @@ def events(log: str) -> list[dict]:
     return [json.loads(event) for line in lines for event in line.split("@@mn ")[1:]]
 
 
-def launch(cluster: Cluster, nodes: list[int], args: list, log_dir: Path, nproc: int = 1) -> list:
+def launch(
+    cluster: Cluster, nodes: list[int], args: list, log_dir: Path, nproc: int = 1, env: dict | None = None
+) -> list:
     """torchrun on ``nodes`` of the cluster (a job of len(nodes) nodes, the first one hosting the
-    rendezvous); node i logs to ``log_dir/node<i>.log``."""
+    rendezvous); node i logs to ``log_dir/node<i>.log``; ``env``: more environment by node."""
     port = cluster.node(nodes[0]).free_port()
     procs = []
     for job_rank, i in enumerate(nodes):
         node = cluster.node(i)
         argv = torchrun_argv(job_rank, len(nodes), nproc, WORKER, args, cluster.node(nodes[0]).addr, port)
         with open(log_dir / f"node{i}.log", "wb") as log:
-            env = node.env({"PYTHONPATH": str(REPO), "DCP_MEMSTORE_JOB_ID": JOB})
-            procs.append(node.popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT))
+            extra = {"PYTHONPATH": str(REPO), "DCP_MEMSTORE_JOB_ID": JOB, **(env or {}).get(i, {})}
+            procs.append(node.popen(argv, env=node.env(extra), stdout=log, stderr=subprocess.STDOUT))
     return procs
 
 
@@ -211,3 +213,17 @@ def test_surviving_node_alone_loads_from_the_replicas_it_keeps(cluster2, tmp_pat
     (evs,) = run_job(cluster2, [0], ["load"], tmp_path, nproc=2)
     assert [e["checkpoint"] for e in of(evs, "latest")] == ["step-2", "step-2"]
     assert [e["ok"] for e in of(evs, "loaded")] == [True, True]
+
+
+def test_a_node_serving_on_loopback_fails_the_first_save_naming_it(cluster2, tmp_path):
+    """Node 0 announces its replication servers on 127.0.0.1 (what happens when the rendezvous host's
+    name resolves to a loopback address there, as with 127.0.1.1 in /etc/hosts): node 1 cannot reach
+    them, so replication to node 0 could never succeed. The first save fails saying so, on every node."""
+    env = {0: {"DCP_MEMSTORE_BIND": "127.0.0.1"}}
+    procs = launch(cluster2, [0, 1], ["save", "--steps", 1], tmp_path, env=env)
+    for p in procs:
+        p.wait(TIMEOUT_S)
+    assert [p.returncode != 0 for p in procs] == [True, True]
+    log0 = (tmp_path / "node0.log").read_text(errors="replace")
+    assert "announced their replication servers on loopback addresses" in log0
+    assert "DCP_MEMSTORE_BIND" in log0
