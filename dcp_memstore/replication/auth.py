@@ -5,7 +5,9 @@ canonical encoding (msgpack, map keys sorted, without the ``mac`` field), which 
 ``op``, every argument, a timestamp ``ts`` (Unix milliseconds) and a random ``nonce``. Requests outside the
 time window (clock skew or a stale capture) and nonces already seen (a replay) are refused. Replies are
 signed too, bound to the request by echoing its nonce (``re``), so a client also knows it talks to a peer of
-its own job. Request and reply MACs use different domain prefixes, so one can never pass for the other.
+its own job, and to their place among that request's replies (a ``put``'s go-ahead is reply 0, its "stored"
+reply 1), so a go-ahead replayed by a man in the middle never passes for the answer that the bytes were
+kept. Request and reply MACs use different domain prefixes, so one can never pass for the other.
 
 The secret is 32 random bytes per job, shared through the torch.distributed store (rank 0 creates it under
 ``dcp_memstore/<job>/secret``; the others wait for it) or given by the user. It is as secret as that store:
@@ -89,23 +91,32 @@ def sign_request(header: Mapping, secret: bytes, job_id: str) -> dict:
     return signed
 
 
-def sign_reply(reply: Mapping, secret: bytes, request_nonce: bytes) -> dict:
-    """``reply`` bound to the request with nonce ``request_nonce`` (field ``re``) and signed (``mac``)."""
+def _reply_domain(index: int) -> bytes:
+    """The MAC domain of the ``index``-th reply to one request (0: the first)."""
+    return _REPLY_DOMAIN + index.to_bytes(4, "big")
+
+
+def sign_reply(reply: Mapping, secret: bytes, request_nonce: bytes, index: int = 0) -> dict:
+    """``reply``, the ``index``-th reply to the request with nonce ``request_nonce``, bound to it (field
+    ``re``, and ``index`` in the MAC) and signed (``mac``)."""
     signed = {**reply, "re": request_nonce}
-    signed["mac"] = _mac(secret, _REPLY_DOMAIN, signed)
+    signed["mac"] = _mac(secret, _reply_domain(index), signed)
     return signed
 
 
-def verify_reply(reply: Mapping, secret: bytes, request_nonce: bytes) -> None:
-    """Raise AuthError unless ``reply`` answers the request with nonce ``request_nonce`` and is signed with
-    ``secret``."""
+def verify_reply(reply: Mapping, secret: bytes, request_nonce: bytes, index: int = 0) -> None:
+    """Raise AuthError unless ``reply`` is the ``index``-th reply to the request with nonce
+    ``request_nonce`` and is signed with ``secret``."""
     mac = reply.get("mac")
     if not isinstance(mac, bytes) or len(mac) != MAC_BYTES:
         raise AuthError("the reply carries no valid MAC")
     if reply.get("re") != request_nonce:
         raise AuthError("the reply answers another request (its 're' is not this request's nonce)")
-    if not hmac.compare_digest(mac, _mac(secret, _REPLY_DOMAIN, reply)):
-        raise AuthError("the reply's MAC is wrong: the peer does not hold this job's replication secret")
+    if not hmac.compare_digest(mac, _mac(secret, _reply_domain(index), reply)):
+        raise AuthError(
+            f"the reply's MAC is wrong: the peer does not hold this job's replication secret, or the reply "
+            f"is not reply {index} to this request (e.g. an earlier one replayed)"
+        )
 
 
 class RequestVerifier:

@@ -332,7 +332,7 @@ class RdmaTransport(Transport):
                         )
                         session.close()  # every piece completed: nothing more goes through it
                     call.run(wire.send_trailer, checksum)
-                    call.reply("rdma_put_stored", nonce)
+                    call.reply("rdma_put_stored", nonce, index=1)
             finally:
                 if session is not None:
                     session.close()  # before the source mapping goes

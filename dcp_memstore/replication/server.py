@@ -263,9 +263,10 @@ class PeerServer:
                 self._conns.pop(conn, None)
             self._slots.release()
 
-    def _reply(self, conn: socket.socket, nonce: bytes, fields: dict) -> None:
+    def _reply(self, conn: socket.socket, nonce: bytes, fields: dict, index: int = 0) -> None:
+        """Send the ``index``-th (signed) success reply to the request with ``nonce``."""
         try:
-            frame = wire.pack_frame(sign_reply({"ok": True, **fields}, self.verifier.secret, nonce))
+            frame = wire.pack_frame(sign_reply({"ok": True, **fields}, self.verifier.secret, nonce, index))
         except wire.ProtocolError as e:
             raise _Refusal("too_large", f"the reply does not fit in one header: {e}") from e
         conn.sendall(frame)
@@ -336,7 +337,7 @@ class PeerServer:
             actual = wire.recv_payload(conn, incoming.view)
             self._check_arrived(what, actual, wire.recv_trailer(conn))
             incoming.commit()
-        self._reply(conn, nonce, {})
+        self._reply(conn, nonce, {}, index=1)
         self._stored(what, header["size"], start)
 
     def _served_file(self, header: dict, offset: int, length: int | None) -> OutgoingFile:
@@ -422,7 +423,7 @@ class PeerServer:
                 expected = self._await_trailer(conn, size)
             self._check_arrived(what, checksum_bytes(incoming.view), expected)
             incoming.commit()
-        self._reply(conn, nonce, {})
+        self._reply(conn, nonce, {}, index=1)
         self._stored(f"{what} by RDMA", size, start)
 
     def _op_rdma_get(self, conn: socket.socket, header: dict, nonce: bytes) -> None:
@@ -462,7 +463,7 @@ class PeerServer:
             next_seq = self.on_commit(checkpoint, phase, record, bytes(manifest))
         except (OSError, ValueError) as e:
             raise _Refusal("io_error", f"cannot {phase} checkpoint {checkpoint} on this node: {e}") from None
-        self._reply(conn, nonce, {"next_seq": next_seq})
+        self._reply(conn, nonce, {"next_seq": next_seq}, index=1 if size else 0)
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -81,9 +81,10 @@ class _Call:
         self.run(wire.send_header, header)
         return header["nonce"], self.reply(op, header["nonce"])
 
-    def reply(self, op: str, nonce: bytes) -> dict:
-        """Receive and check the reply to the ``op`` request with ``nonce``; raise ReplicationError if it
-        is a refusal or is not signed by a peer of this job."""
+    def reply(self, op: str, nonce: bytes, index: int = 0) -> dict:
+        """Receive and check the ``index``-th reply to the ``op`` request with ``nonce`` (``op`` names the
+        reply's fields); raise ReplicationError if it is a refusal or is not signed by a peer of this
+        job as that reply."""
         header = self.run(wire.recv_header)
         try:
             reply = wire.validate_reply(header, op)
@@ -97,7 +98,7 @@ class _Call:
             )
             raise ReplicationError(self.peer, reply["code"], f"refused {self.what}: {reply['error']}.{hint}")
         try:
-            verify_reply(reply, self.transport.secret, nonce)
+            verify_reply(reply, self.transport.secret, nonce, index)
         except AuthError as e:
             raise ReplicationError(
                 self.peer, "auth", f"its reply failed authentication ({self.what}): {e}"
@@ -155,7 +156,7 @@ class TcpTransport(Transport):
             fields = {"source": source_node, "checkpoint": checkpoint, "file": file, "size": source.length}
             nonce, _ = call.request("put", fields)
             call.run(wire.send_trailer, call.run(wire.send_payload, source.view))
-            call.reply("put", nonce)
+            call.reply("put", nonce, index=1)
 
     def get_file(
         self,
@@ -211,7 +212,7 @@ class TcpTransport(Transport):
             nonce, reply = call.request("commit", fields)
             if manifest:
                 call.run(wire.send_trailer, call.run(wire.send_payload, memoryview(manifest)))
-                reply = call.reply("commit", nonce)
+                reply = call.reply("commit", nonce, index=1)
         return reply["next_seq"]
 
     def stat(self, peer_addr: PeerAddress, checkpoint: str) -> dict:

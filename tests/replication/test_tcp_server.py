@@ -414,6 +414,35 @@ def test_unsigned_ok_reply_is_not_trusted(secret):
         fake.close()
 
 
+def test_go_ahead_replayed_as_the_stored_reply_is_not_trusted(server, transport, local, peer_root):
+    """A man in the middle (a real TCP relay that lacks the secret) passes the put request and the
+    server's signed go-ahead on, keeps the file's bytes from the server, and answers the sender with the
+    go-ahead again. The sender must not count the file as stored: nothing was kept."""
+    relay = socket.create_server(("127.0.0.1", 0))
+
+    def intercept() -> None:
+        client, _ = relay.accept()
+        with client, socket.create_connection(server.address, timeout=10) as upstream:
+            wire.send_header(upstream, wire.recv_header(client))  # the signed put request
+            go_ahead = wire.recv_header(upstream)
+            wire.send_header(client, go_ahead)
+            wire.recv_payload(client, memoryview(bytearray(MiB)))  # the bytes never reach the server
+            wire.recv_trailer(client)
+            wire.send_header(client, go_ahead)
+
+    t = threading.Thread(target=intercept)
+    t.start()
+    try:
+        src = make_file(local, "step-1", shard_name(0, 0), os.urandom(MiB))
+        with pytest.raises(ReplicationError) as e:
+            transport.put_file(relay.getsockname(), "node0", "step-1", shard_name(0, 0), src)
+        assert e.value.code == "auth"
+    finally:
+        t.join(10)
+        relay.close()
+    assert not (StoreLayout(peer_root, JOB).replica_dir("node0", "step-1") / shard_name(0, 0)).exists()
+
+
 def test_connection_limit(peer_root, secret):
     with PeerServer(peer_root, JOB, secret, "127.0.0.1", max_connections=1) as server:
         held = raw_connect(server)
