@@ -17,7 +17,7 @@ from typing import Any
 import torch.distributed as dist
 
 from dcp_memstore.errors import InsufficientSpaceError, PersistError
-from dcp_memstore.persist.persister import Persister
+from dcp_memstore.persist.persister import Persister, node_share
 from dcp_memstore.persist.progress import PERSIST_HOLD, Progress
 from dcp_memstore.persist.publish import remote_commit, remote_committed
 from dcp_memstore.persist.remote_read import RemoteCheckpoint
@@ -466,8 +466,9 @@ class MemStore(ReplicatingStore):
         """The upload state of ``cid`` from its records in memory; None if it was evicted while reading."""
         progress = Progress(self.layout, cid)
         owed = progress.owed()  # before persisted(): publication writes PERSISTED, then drops the hold
+        local_dir = self.layout.checkpoint_dir(cid)
         try:
-            files = len(Manifest.read(self.layout.checkpoint_dir(cid) / MANIFEST).files)
+            files = len(node_share(local_dir, Manifest.read(local_dir / MANIFEST).files))
         except FileNotFoundError:
             return None
         counts = {"files_uploaded": min(files, len(progress.done_files())), "files_total": files}

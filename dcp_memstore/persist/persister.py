@@ -5,10 +5,11 @@ none is skipped; each stays in memory (a retention hold) until it is published. 
 saves, memory fills and the next save fails with an error that says so (or waits, see
 ``MemStore(persist_backlog=...)``): nothing owed is ever dropped.
 
-Work is split by file: each rank uploads the files it wrote (with a different number of processes after
-a restart, local rank r takes the files of ranks r, r + L, ...), at most ``io_threads`` files at a time.
-A per-file lock on tmpfs keeps two processes from uploading the same file. Once every file has its part
-record, whichever local process takes the publish lock publishes (publication is idempotent).
+Work is split by file: each node uploads the files its ranks wrote (the only ones in its tmpfs), each rank
+the files it wrote (with a different number of processes after a restart, local rank r takes the files of
+ranks r, r + L, ...), at most ``io_threads`` files at a time. A per-file lock on tmpfs keeps two processes
+from uploading the same file. Once every file of every node has its part record, whichever local process
+takes the publish lock publishes (publication is idempotent).
 
 Errors: a missing bucket, refused or missing credentials, an id already published by another save or a
 broken manifest stop the checkpoint's uploads with state "failed" (logged; ``store.persist(id)`` or a
@@ -22,6 +23,8 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterable
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -61,6 +64,17 @@ def local_rank_and_size() -> tuple[int, int]:
     if dist_active():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def node_share(local_dir: Path, files: Iterable[str]) -> set[str]:
+    """The files of a checkpoint (``files``, those its manifest lists) that this node uploads: those of the
+    ranks that have a file in ``local_dir``. In a job of several nodes each node holds only the files its
+    own ranks wrote; a missing file of such a rank stays in the share, so that its upload fails saying so."""
+    try:
+        here = {file_rank(e.name) for e in os.scandir(local_dir)}
+    except FileNotFoundError:
+        return set()
+    return {f for f in files if file_rank(f) in here}
 
 
 def global_rank() -> int:
@@ -193,11 +207,10 @@ class Persister:
         by_file: dict[str, list] = {}
         for i, it in enumerate(manifest.items):
             by_file.setdefault(it.location.file, []).append((i, it))
+        mine = node_share(local_dir, by_file)
         local_rank, local_size = local_rank_and_size()
         done = progress.done_files()
-        todo = [
-            f for f in sorted(by_file) if (file_rank(f) or 0) % local_size == local_rank and f not in done
-        ]
+        todo = [f for f in sorted(mine) if (file_rank(f) or 0) % local_size == local_rank and f not in done]
         if todo:
             progress.report(rank, "uploading")
             run_parallel(
@@ -206,7 +219,7 @@ class Persister:
                 self.io_threads,
                 pool="persist",
             )
-        if not progress.done_files() >= set(by_file):
+        if not progress.done_files() >= mine:
             return  # other local processes are still uploading theirs
         now = time.monotonic()
         if now < self._check_at.get(cid, 0.0):

@@ -1,7 +1,8 @@
 """A multi-node job for the replication tests, run by torchrun on every node of a namespace cluster.
 
     save: checkpoint steps 1..N (``dcp.save``), each a DTensor sharded over all ranks (``Shard(0)``), a
-          replicated tensor and an int; optionally wait until replicated, wait for the test's go-ahead.
+          replicated tensor and an int; optionally wait until replicated or persisted, wait for the test's
+          go-ahead.
     load: ``latest_checkpoint()``, then ``dcp.load`` into fresh tensors and compare bit for bit with what
           that step saved (the world size may differ from the save's).
 
@@ -59,6 +60,11 @@ def save(args, store: MemStore, mesh) -> None:
         if args.wait_replicated:
             st = store.wait_replicated(cid, timeout=60)
             emit(event="replicated", step=step, replication=st.replication, replicas=st.replicas)
+        if args.persist_to:
+            st = store.wait_persisted(cid, timeout=60)
+            emit(
+                event="persisted", step=step, url=st.persisted_url, files=[st.files_uploaded, st.files_total]
+            )
     if args.serve_until:
         svc = store.replication()
         emit(event="serving", addr=list(svc.peers().server(svc.node.node_rank)))
@@ -130,12 +136,14 @@ def main() -> None:
     p.add_argument("--tmp", default="/tmp")
     p.add_argument("--wait-replicated", action="store_true")
     p.add_argument("--watch", action="store_true")
+    p.add_argument("--persist-to", default=None, help="persist every checkpoint there (a shared directory)")
     p.add_argument("--serve-until", default=None, help="after saving, serve until this file appears in --tmp")
     args = p.parse_args()
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    persist = {"persist_to": args.persist_to, "persist_every": 1} if args.persist_to else {}
     store = MemStore(
-        job_id=args.job, replicas=args.replicas, keep_in_memory=args.keep, replication_timeout_s=3
+        job_id=args.job, replicas=args.replicas, keep_in_memory=args.keep, replication_timeout_s=3, **persist
     )
     try:
         (save if args.phase == "save" else load)(args, store, mesh)
