@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from dcp_memstore.errors import InsufficientSpaceError, PersistError
 from dcp_memstore.persist.persister import Persister, node_share
-from dcp_memstore.persist.progress import PERSIST_HOLD, Progress
+from dcp_memstore.persist.progress import PERSIST_HOLD, Progress, is_owed
 from dcp_memstore.persist.publish import remote_commit, remote_committed
 from dcp_memstore.persist.remote_read import RemoteCheckpoint
 from dcp_memstore.persist.target import PersistTarget
@@ -397,7 +397,8 @@ class MemStore(ReplicatingStore):
         storage if ``persist_every`` says so, and to the replica nodes (the holds are in place before the
         checkpoint is visible)."""
         if self.target is not None and self.persist_every is not None and seq % self.persist_every == 0:
-            Progress(self.layout, checkpoint_id).request(f"persist_every={self.persist_every}")
+            progress = Progress(self.layout, checkpoint_id, self.target.url)
+            progress.request(f"persist_every={self.persist_every}")
         if self._replicating():
             ReplicaRecords(self.layout, checkpoint_id).hold()
 
@@ -414,7 +415,7 @@ class MemStore(ReplicatingStore):
             if remote_commit(self.target, cid) is not None:
                 return
             self.require_checkpoint(cid)
-        Progress(self.layout, cid).request("on demand")
+        Progress(self.layout, cid, self.target.url).request("on demand")
         if catalog.read_commit(self.layout, cid) is None:  # evicted or deleted while we placed the hold
             catalog.release(self.layout, cid, PERSIST_HOLD)
             self.require_checkpoint(cid)
@@ -464,7 +465,7 @@ class MemStore(ReplicatingStore):
 
     def _local_persist_status(self, cid: str, url: str) -> CheckpointStatus | None:
         """The upload state of ``cid`` from its records in memory; None if it was evicted while reading."""
-        progress = Progress(self.layout, cid)
+        progress = Progress(self.layout, cid, self.target.url)
         owed = progress.owed()  # before persisted(): publication writes PERSISTED, then drops the hold
         local_dir = self.layout.checkpoint_dir(cid)
         try:
@@ -576,9 +577,7 @@ class MemStore(ReplicatingStore):
     def _owed(self) -> list[str]:
         """The committed checkpoints owed to persistent storage (held in memory until uploaded)."""
         return [
-            r.checkpoint_id
-            for r in catalog.committed(self.layout)
-            if Progress(self.layout, r.checkpoint_id).owed()
+            r.checkpoint_id for r in catalog.committed(self.layout) if is_owed(self.layout, r.checkpoint_id)
         ]
 
     def delete(self, checkpoint_id: str) -> None:
@@ -636,7 +635,7 @@ class MemStore(ReplicatingStore):
             self.persist(recs[-1].checkpoint_id)
         deadline = None if timeout is None else time.monotonic() + timeout
         for rec in recs:
-            if not Progress(self.layout, rec.checkpoint_id).owed():
+            if not is_owed(self.layout, rec.checkpoint_id):
                 continue
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:

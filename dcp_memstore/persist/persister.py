@@ -163,7 +163,7 @@ class Persister:
         """Advance ``rec``'s upload if it is owed;
         whether it is still owed and this process may go on with it."""
         cid = rec.checkpoint_id
-        progress = Progress(self.layout, cid)
+        progress = Progress(self.layout, cid, self.target.url)
         if not progress.owed():
             return False
         if progress.persisted():  # a hold placed while it was being published
@@ -207,10 +207,10 @@ class Persister:
         by_file: dict[str, list] = {}
         for i, it in enumerate(manifest.items):
             by_file.setdefault(it.location.file, []).append((i, it))
-        mine = node_share(local_dir, by_file)
+        share = node_share(local_dir, by_file)
         local_rank, local_size = local_rank_and_size()
         done = progress.done_files()
-        todo = [f for f in sorted(mine) if (file_rank(f) or 0) % local_size == local_rank and f not in done]
+        todo = [f for f in sorted(share) if (file_rank(f) or 0) % local_size == local_rank and f not in done]
         if todo:
             progress.report(rank, "uploading")
             run_parallel(
@@ -219,7 +219,7 @@ class Persister:
                 self.io_threads,
                 pool="persist",
             )
-        if not progress.done_files() >= mine:
+        if not progress.done_files() >= share:
             return  # other local processes are still uploading theirs
         now = time.monotonic()
         if now < self._check_at.get(cid, 0.0):
@@ -229,22 +229,23 @@ class Persister:
             if not mine or progress.persisted():
                 return  # another local process is publishing
             if remote_commit(self.target, cid) is None:
-                parts = read_parts(self.target, rec)
-                if not set(by_file) <= set(parts):
-                    return  # files of other nodes are not uploaded yet
-                publish(
-                    self.target,
-                    manifest,
-                    rec,
-                    parts,
-                    before_marker=lambda: crash_point("persist-publish", rank),
-                )
-                log.info("checkpoint %r persisted to %s", cid, self.target.url_of(cid))
+                if not self._publish(rec, manifest, rank):
+                    return
             else:
                 self._settle_if_published(rec, progress)
             progress.mark_persisted()
         progress.report(rank, "persisted")
         catalog.evict(self.layout, self.keep)  # it may have been held past its turn
+
+    def _publish(self, rec: catalog.CommitRecord, manifest: Manifest, rank: int) -> bool:
+        """Publish ``rec`` once every file of every node has its part record; whether it did."""
+        cid = rec.checkpoint_id
+        parts = read_parts(self.target, rec)
+        if not set(manifest.files) <= set(parts):
+            return False  # files of other nodes are not uploaded yet
+        publish(self.target, manifest, rec, parts, before_marker=lambda: crash_point("persist-publish", rank))
+        log.info("checkpoint %r persisted to %s", cid, self.target.url_of(cid))
+        return True
 
     def _upload(
         self, rec: catalog.CommitRecord, progress: Progress, local_dir, file: str, items, rank: int

@@ -1,16 +1,19 @@
 """What the persister has done for one checkpoint, kept on tmpfs beside the checkpoint.
 
-``<checkpoint>/holds/persist``      the checkpoint is owed to persistent storage (a retention hold)
-``<checkpoint>/persist/done/<f>``   local file ``f`` is uploaded (its part record is in the bucket)
-``<checkpoint>/persist/state-<r>``  the last state rank ``r``'s persister reported (uploading, retrying,
-                                    failed)
-``<checkpoint>/persist/PERSISTED``  published; the hold is gone
-``<checkpoint>/persist/<f>.lock``   flock held while a process uploads ``f`` (or publishes: ``publish``)
+``<checkpoint>/holds/persist``       the checkpoint is owed to persistent storage (a retention hold)
+``<checkpoint>/persist-<t>/``        what was done for the target whose URL hashes to ``t`` (records of
+                                     another ``persist_to`` say nothing about this one):
+``    done/<f>``                     local file ``f`` is uploaded (its part record is in the target)
+``    state-<r>``                    the last state rank ``r``'s persister reported (uploading, retrying,
+                                     failed)
+``    PERSISTED``                    published there; the hold is gone
+``    <f>.lock``                     flock held while a process uploads ``f`` (or publishes: ``publish``)
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 
 from dcp_memstore.store import catalog
@@ -21,14 +24,24 @@ from dcp_memstore.store.tier_progress import TierProgress
 PERSIST_HOLD = "persist"
 
 
-class Progress(TierProgress):
-    """Upload progress records of checkpoint ``checkpoint_id`` in ``layout``."""
+def is_owed(layout: StoreLayout, checkpoint_id: str) -> bool:
+    """Whether ``checkpoint_id`` is owed to persistent storage (held in memory until it is uploaded)."""
+    return PERSIST_HOLD in catalog.holds(layout, checkpoint_id)
 
-    def __init__(self, layout: StoreLayout, checkpoint_id: str) -> None:
-        super().__init__(layout, checkpoint_id, "persist")
+
+def records_dir_name(target_url: str) -> str:
+    """The name of the directory of a checkpoint's upload records for the target at ``target_url``."""
+    return "persist-" + hashlib.sha256(target_url.encode()).hexdigest()[:16]
+
+
+class Progress(TierProgress):
+    """Upload progress records of checkpoint ``checkpoint_id`` in ``layout`` towards ``target_url``."""
+
+    def __init__(self, layout: StoreLayout, checkpoint_id: str, target_url: str) -> None:
+        super().__init__(layout, checkpoint_id, records_dir_name(target_url))
 
     def owed(self) -> bool:
-        return PERSIST_HOLD in catalog.holds(self.layout, self.checkpoint_id)
+        return is_owed(self.layout, self.checkpoint_id)
 
     def request(self, reason: str) -> None:
         """Owe this checkpoint to persistent storage (idempotent); clears a failure so uploads retry."""

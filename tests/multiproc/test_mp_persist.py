@@ -12,6 +12,7 @@ from mp_harness import MultiProc, assert_bit_equal, blank_like, make_tensor
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
 from dcp_memstore import MemoryStorageReader, MemoryStorageWriter, MemStore
+from dcp_memstore.persist.progress import Progress
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +45,7 @@ def save_async_and_persist(rank: int, world: int, root: str, url: str, opts: dic
         assert time.monotonic() < deadline, (rank, persister._manifests.keys(), persister._checked)
         persister.wake()
         time.sleep(0.05)
-    mine = [p.name for p in (store.layout.checkpoint_dir("step-4") / "persist").iterdir()]
+    mine = [p.name for p in Progress(store.layout, "step-4", store.target.url).dir.iterdir()]
     latest = store.latest_checkpoint()
     store.close(timeout=120)
     return {"statuses": statuses, "records": mine, "latest": latest}

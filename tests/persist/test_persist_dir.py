@@ -396,3 +396,26 @@ def test_persist_of_an_unknown_checkpoint_names_those_that_exist(shm_dir, bucket
             store.persist("nope")
         with pytest.raises(ValueError):
             store.persist("../a")
+
+
+def test_a_checkpoint_persisted_elsewhere_is_not_reported_persisted_to_a_new_target(shm_dir, tmp_path):
+    """Persisted to one directory, then the job restarts with persist_to naming another: there the
+    checkpoint is not persisted until it is uploaded there."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    sd = _state(2)
+    with _pstore(shm_dir, first, persist_on_close=False) as store:
+        save(store, sd, "a")
+        store.persist("a")
+        store.wait_persisted("a", timeout=60)
+    with _pstore(shm_dir, second, persist_on_close=False) as store:
+        st = store.status("a")
+        assert (st.persist, st.persisted_url, st.files_uploaded) == ("not requested", None, 0)
+        store.persist("a")
+        assert store.wait_persisted("a", timeout=60).persisted_url == f"{second}/a"
+    assert (second / "a" / COMMITTED).exists()
+    fresh_root = Path(str(shm_dir) + "-fresh")
+    try:
+        with MemStore(root=fresh_root, job_id="job", persist_to=str(second)) as fresh:
+            assert_tree_equal(sd, load(fresh, blank_like(sd), "a"))
+    finally:
+        subprocess.run(["rm", "-rf", str(fresh_root)], check=True)
