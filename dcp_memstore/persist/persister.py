@@ -229,7 +229,7 @@ class Persister:
             if not mine or progress.persisted():
                 return  # another local process is publishing
             if remote_commit(self.target, cid) is None:
-                if not self._publish(rec, manifest, rank):
+                if not self._publish(rec, progress, manifest, share, rank):
                     return
             else:
                 self._settle_if_published(rec, progress)
@@ -237,10 +237,20 @@ class Persister:
         progress.report(rank, "persisted")
         catalog.evict(self.layout, self.keep)  # it may have been held past its turn
 
-    def _publish(self, rec: catalog.CommitRecord, manifest: Manifest, rank: int) -> bool:
-        """Publish ``rec`` once every file of every node has its part record; whether it did."""
+    def _publish(
+        self, rec: catalog.CommitRecord, progress: Progress, manifest: Manifest, share: set[str], rank: int
+    ) -> bool:
+        """Publish ``rec`` once every file of every node has its part record; whether it did. Files of
+        this node (``share``) recorded as uploaded whose part records are gone from the target (removed
+        there since) are forgotten, so the next round uploads them again instead of waiting for good."""
         cid = rec.checkpoint_id
         parts = read_parts(self.target, rec)
+        lost = share - set(parts)
+        if lost:
+            log.warning(
+                "checkpoint %r: %s no longer in %s; uploading again", cid, sorted(lost), self.target.url
+            )
+            progress.forget(lost)
         if not set(manifest.files) <= set(parts):
             return False  # files of other nodes are not uploaded yet
         publish(self.target, manifest, rec, parts, before_marker=lambda: crash_point("persist-publish", rank))

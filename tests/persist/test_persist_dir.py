@@ -419,3 +419,37 @@ def test_a_checkpoint_persisted_elsewhere_is_not_reported_persisted_to_a_new_tar
             assert_tree_equal(sd, load(fresh, blank_like(sd), "a"))
     finally:
         subprocess.run(["rm", "-rf", str(fresh_root)], check=True)
+
+
+_KILLED_UPLOADER = """
+import sys
+sys.path.insert(0, {repo!r})
+from dcp_memstore import MemStore
+from tests.dcp.dcp_state import save
+from tests.persist.test_persist_dir import _state
+store = MemStore(root={root!r}, job_id="job", io_threads=1, persist_to={target!r}, persist_every=1,
+                 persist_on_close=False)
+save(store, _state(8), "c")
+store.wait_persisted("c", timeout=60)
+print("NOT-KILLED", flush=True)
+"""
+
+
+def test_a_restart_uploads_again_what_was_removed_from_the_target(shm_dir, bucket_dir):
+    """The persister is killed after its first file's upload; the half-uploaded directory is removed
+    from the target (a clean-up), then the job restarts: the checkpoint is uploaded whole, not waited
+    for forever."""
+    repo = str(Path(__file__).resolve().parents[2])
+    code = _KILLED_UPLOADER.format(repo=repo, root=str(shm_dir), target=str(bucket_dir))
+    env = dict(os.environ, DCP_MEMSTORE_CRASH_AT="persist-upload:0:1")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == -9 and "NOT-KILLED" not in res.stdout, res.stderr[-3000:]
+    subprocess.run(["rm", "-rf", str(bucket_dir / "c")], check=True)
+    with _pstore(shm_dir, bucket_dir, persist_on_close=False) as store:
+        assert store.wait_persisted("c", timeout=30).persisted
+    fresh_root = Path(str(shm_dir) + "-fresh")
+    try:
+        with MemStore(root=fresh_root, job_id="job", persist_to=str(bucket_dir)) as fresh:
+            assert_tree_equal(_state(8), load(fresh, blank_like(_state(8)), "c"))
+    finally:
+        subprocess.run(["rm", "-rf", str(fresh_root)], check=True)
