@@ -145,7 +145,8 @@ class MemStore(ReplicatingStore):
         verify_checksums: verify every item's xxh3-64 checksum when loading. Default True.
         stage_timeout_s: how long an async save waits for an earlier one before raising. Default 600.
         persist_to: where to persist checkpoints: an fsspec URL (``s3://bucket/prefix``) or a directory, in
-            the standard DCP layout. Default None: memory only.
+            the standard DCP layout. Default None: memory only. One that can never be written (refused
+            credentials, missing bucket, mistyped URL) is a ValueError here.
         persist_every: persist every Nth committed checkpoint (by commit sequence number). Default None:
             only on demand (``persist(id)``) and at ``close()``.
         storage_options: passed to fsspec for ``persist_to`` (for s3fs: key, secret, client_kwargs, ...).
@@ -207,6 +208,8 @@ class MemStore(ReplicatingStore):
         self.target = PersistTarget(persist_to, storage_options) if persist_to is not None else None
         if self.target is None and (persist_every is not None or storage_options is not None):
             raise ValueError("persist_every and storage_options need persist_to (a URL or directory)")
+        if self.target is not None:
+            self.target.check_writable()
         if replicas is None:
             replicas = _env_int(ENV_REPLICAS, 1, "replicas per node, 0: off")
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:

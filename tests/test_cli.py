@@ -57,8 +57,9 @@ def test_unknown_checkpoint_is_a_clear_error(root, capsys):
 
 def test_list_and_show_say_which_checkpoints_are_held(root, capsys, tmp_path):
     blocked = tmp_path / "file"
-    blocked.write_bytes(b"")  # uploads fail: the checkpoint stays owed (held)
     store = MemStore(root=root, job_id="j", persist_to=str(blocked), persist_every=1, persist_on_close=False)
+    blocked.rmdir()
+    blocked.write_bytes(b"")  # uploads fail: the checkpoint stays owed (held)
     dcp.save({"w": torch.ones(3)}, checkpoint_id="a", storage_writer=MemoryStorageWriter(store), no_dist=True)
     store.close()
     code, out, _ = _cli(capsys, "list", "--root", root, "--job-id", "j")

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from dcp_memstore.persist.export import upload_file
 from dcp_memstore.persist.progress import Progress
 from dcp_memstore.persist.publish import publish, read_parts, remote_commit, write_part
-from dcp_memstore.persist.target import PersistTarget
+from dcp_memstore.persist.target import PersistTarget, describe, is_permanent
 from dcp_memstore.store import catalog
 from dcp_memstore.store.collective import dist_active
 from dcp_memstore.store.faults import crash_point
@@ -45,15 +45,6 @@ POLL_S = 0.2
 PUBLISH_POLL_S = 0.5  # how often a node whose files are all uploaded looks for other nodes' part records
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 30.0
-_PERMANENT = (
-    PermissionError,
-    FileNotFoundError,
-    NotADirectoryError,
-    IsADirectoryError,
-    ValueError,
-    TypeError,
-)
-_PERMANENT_BY_NAME = {"NoCredentialsError", "PartialCredentialsError", "NoRegionError"}  # botocore
 
 
 def local_rank_and_size() -> tuple[int, int]:
@@ -179,14 +170,14 @@ class Persister:
             self._advance(rec, progress, rank)
             self._retry_at.pop(cid, None)
         except Exception as e:  # noqa: BLE001 - classified: permanent errors stop, others are retried
-            if _permanent(e):
+            if is_permanent(e):
                 log.error("persisting checkpoint %r to %s failed: %s", cid, self.target.url, e)
-                progress.report(rank, "failed", _describe(e))
+                progress.report(rank, "failed", describe(e))
                 return False
             log.warning(
                 "persisting checkpoint %r to %s: %s; retrying in %.1f s", cid, self.target.url, e, backoff
             )
-            progress.report(rank, "retrying", _describe(e))
+            progress.report(rank, "retrying", describe(e))
             self._retry_at[cid] = (time.monotonic() + backoff, min(backoff * 2, BACKOFF_MAX_S))
         return progress.owed() and not progress.persisted()
 
@@ -293,13 +284,3 @@ class Persister:
 def _save_key(rec: catalog.CommitRecord) -> tuple:
     """One save of a checkpoint id (an id saved again after a deletion is another save)."""
     return (rec.checkpoint_id, rec.seq, rec.committed_at)
-
-
-def _permanent(e: BaseException) -> bool:
-    """Errors that retrying cannot fix: refused or missing credentials, a missing bucket or directory,
-    an id taken by another checkpoint, a broken manifest."""
-    return isinstance(e, _PERMANENT) or type(e).__name__ in _PERMANENT_BY_NAME
-
-
-def _describe(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"

@@ -8,7 +8,12 @@ each process: fsspec caches instances), so the target is cheap to build and safe
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import re
+import threading
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +22,36 @@ from fsspec.core import url_to_fs
 
 from dcp_memstore.store.records import write_atomic
 
+log = logging.getLogger(__name__)
+
 OUR_DIR = ".dcp_memstore"
 COMMITTED = f"{OUR_DIR}/COMMITTED"
 MANIFEST = f"{OUR_DIR}/manifest.msgpack"
 PARTS = f"{OUR_DIR}/parts"
 STOCK_METADATA = ".metadata"
+PROBE_TIMEOUT_S = 15.0  # how long opening a store waits for the target to answer its write probe
+_SCHEME_WITHOUT_SLASHES = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):(?!//)")  # "s3:bucket", "s3:/bucket"
+_PERMANENT = (
+    PermissionError,
+    FileNotFoundError,
+    NotADirectoryError,
+    IsADirectoryError,
+    FileExistsError,  # a file where a directory should be
+    ValueError,
+    TypeError,
+)
+_PERMANENT_BY_NAME = {"NoCredentialsError", "PartialCredentialsError", "NoRegionError"}  # botocore
+
+
+def is_permanent(e: BaseException) -> bool:
+    """Errors that retrying cannot fix: refused or missing credentials, a missing bucket or directory,
+    an id taken by another checkpoint, a broken manifest."""
+    return isinstance(e, _PERMANENT) or type(e).__name__ in _PERMANENT_BY_NAME
+
+
+def describe(e: BaseException) -> str:
+    """``<type>: <message>`` of an error, as status and logs report it."""
+    return f"{type(e).__name__}: {e}"
 
 
 class PersistTarget:
@@ -36,6 +66,11 @@ class PersistTarget:
         if storage_options is not None and not isinstance(storage_options, dict):
             raise TypeError(f"storage_options must be a dict, got {type(storage_options).__name__}")
         url = os.fspath(persist_to)
+        if _mistyped_url(url):
+            raise ValueError(
+                f"persist_to={persist_to!r} is no URL with a path (nor a plain directory): "
+                "write it as 's3://bucket/prefix' or give a directory"
+            )
         if "://" not in url:
             url = os.path.abspath(os.path.expanduser(url))
         self.url = url.rstrip("/")
@@ -98,6 +133,36 @@ class PersistTarget:
         """Drop the file system's cached directory listings, so the next listing asks the server."""
         self.fs.invalidate_cache(self.root)
 
+    def check_writable(self, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+        """Write (and remove) a small object under the root, so that a target no upload can ever reach (a
+        missing bucket, a directory that cannot be made or written, refused or missing credentials) is a
+        ValueError when the store opens, not a failed upload hours into the job. A target that fails
+        otherwise (server down) or does not answer within ``timeout_s`` is logged only: uploads retry."""
+        outcome: list[BaseException | None] = []
+        probe = threading.Thread(target=lambda: outcome.append(self._probe()), daemon=True)
+        probe.start()
+        probe.join(timeout_s)
+        error = outcome[0] if outcome else TimeoutError(f"no answer within {timeout_s:g} s")
+        if error is None:
+            return
+        if is_permanent(error):
+            raise ValueError(f"persist_to={self.url!r} cannot be written: {describe(error)}") from error
+        log.warning("cannot reach persist_to=%r now (%s); uploads will retry", self.url, describe(error))
+
+    def _probe(self) -> BaseException | None:
+        """Write and remove an empty object under the root; the error it raised, if any. Removal is best
+        effort: uploads never delete, so a target that refuses deletes is still usable."""
+        try:
+            if self.is_local:
+                self.fs.makedirs(self.root, exist_ok=True)
+            path = f"{self.root}/{OUR_DIR}-probe-{uuid.uuid4().hex}"
+            self.fs.pipe_file(path, b"")
+        except Exception as e:  # noqa: BLE001 - classified by the caller
+            return e
+        with contextlib.suppress(Exception):
+            self.fs.rm_file(path)
+        return None
+
     def __repr__(self) -> str:
         return f"PersistTarget({self.url!r})"
 
@@ -108,6 +173,15 @@ def sync_directory(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _mistyped_url(url: str) -> bool:
+    """Whether ``url`` is a URL of a known protocol without ``//`` (``s3:/bucket``, which would otherwise
+    be taken for a local directory named ``s3:``) or without a path (``s3://``)."""
+    m = _SCHEME_WITHOUT_SLASHES.match(url)
+    if m is not None and m.group(1) in fsspec.available_protocols():
+        return True
+    return "://" in url and url.split("://", 1)[1].strip("/") == ""
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:

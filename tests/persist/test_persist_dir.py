@@ -259,7 +259,6 @@ def test_damaged_local_copy_without_persisted_copy_still_fails(shm_dir, bucket_d
 
 def test_retention_keeps_owed_checkpoints_until_persisted(shm_dir, tmp_path):
     blocked = tmp_path / "not-a-dir"
-    blocked.write_bytes(b"")  # persist_to is a file: uploads fail (NotADirectoryError: permanent)
     with MemStore(
         root=shm_dir,
         job_id="job",
@@ -268,6 +267,7 @@ def test_retention_keeps_owed_checkpoints_until_persisted(shm_dir, tmp_path):
         persist_every=1,
         persist_on_close=False,
     ) as store:
+        _block(blocked)
         for i in range(3):
             save(store, _state(i), f"s{i}")
         assert store.list_checkpoints() == ["s0", "s1", "s2"]  # keep_in_memory=1, but all are owed
@@ -280,8 +280,8 @@ def test_retention_keeps_owed_checkpoints_until_persisted(shm_dir, tmp_path):
 
 def test_persist_on_demand_and_retry_after_failure(shm_dir, tmp_path):
     target = tmp_path / "late"
-    target.write_bytes(b"")  # first attempt fails for good
     with MemStore(root=shm_dir, job_id="job", persist_to=str(target), persist_on_close=False) as store:
+        _block(target)  # first attempt fails for good
         save(store, _state(1), "x")
         store.persist("x")
         with pytest.raises(PersistError):
@@ -292,9 +292,17 @@ def test_persist_on_demand_and_retry_after_failure(shm_dir, tmp_path):
         assert catalog.holds(store.layout, "x") == []
 
 
+def _block(target: Path) -> None:
+    """Replace the (empty) persist directory ``target`` with a file, so that every upload to it fails for
+    good (NotADirectoryError): a target that breaks while the job runs (opening the store checks it)."""
+    target.rmdir()
+    target.write_bytes(b"")
+
+
 def _tight_store(root, target, **kw) -> MemStore:
-    """A store in the small tmpfs that owes every checkpoint to ``target`` and keeps one otherwise."""
-    return MemStore(
+    """A store in the small tmpfs that owes every checkpoint to ``target`` and keeps one otherwise; every
+    upload fails for good (see ``_block``)."""
+    store = MemStore(
         root=root,
         job_id="job",
         keep_in_memory=1,
@@ -304,11 +312,12 @@ def _tight_store(root, target, **kw) -> MemStore:
         persist_on_close=False,
         **kw,
     )
+    _block(target)
+    return store
 
 
 def test_full_memory_of_owed_checkpoints_is_a_clear_error(small_tmpfs, tmp_path):
     blocked = tmp_path / "blocked"
-    blocked.write_bytes(b"")
     sd = {"w": torch.randn(512, 1024)}  # 2 MiB per checkpoint in an 8 MiB tmpfs
     with _tight_store(small_tmpfs, blocked) as store:
         saved = []
@@ -324,7 +333,6 @@ def test_full_memory_of_owed_checkpoints_is_a_clear_error(small_tmpfs, tmp_path)
 
 def test_backlog_wait_does_not_wait_for_uploads_that_failed_for_good(small_tmpfs, tmp_path):
     blocked = tmp_path / "blocked"
-    blocked.write_bytes(b"")
     sd = {"w": torch.randn(512, 1024)}
     with _tight_store(small_tmpfs, blocked, persist_backlog="wait", stage_timeout_s=600) as store:
         t0 = time.monotonic()
@@ -338,7 +346,6 @@ def test_backlog_wait_does_not_wait_for_uploads_that_failed_for_good(small_tmpfs
 
 def test_a_store_without_persist_to_warns_of_owed_checkpoints_and_evicts_them(shm_dir, tmp_path):
     blocked = tmp_path / "blocked"
-    blocked.write_bytes(b"")
     with _tight_store(shm_dir, blocked) as store:
         for i in range(3):
             save(store, _state(i), f"s{i}")
@@ -351,7 +358,6 @@ def test_a_store_without_persist_to_warns_of_owed_checkpoints_and_evicts_them(sh
 
 def test_full_memory_of_owed_checkpoints_without_persist_to_is_a_clear_error(small_tmpfs, tmp_path):
     blocked = tmp_path / "blocked"
-    blocked.write_bytes(b"")
     sd = {"w": torch.randn(512, 1024)}
     with _tight_store(small_tmpfs, blocked) as store, pytest.raises(BaseException):  # noqa: B017
         for i in range(5):
@@ -369,6 +375,23 @@ def _wait_for_failed(store: MemStore, cid: str) -> None:
     while store.status(cid).persist != "failed":
         assert time.monotonic() < deadline, store.status(cid)
         time.sleep(0.02)
+
+
+def test_a_persist_to_that_cannot_work_is_refused_when_the_store_opens(shm_dir, tmp_path):
+    """A file where the directory should be, a directory below a file, and URLs missing their ``//`` or
+    their path (which would otherwise be taken for local directories such as ``./s3:``) are refused by
+    the constructor, naming persist_to, before anything is saved."""
+    a_file = tmp_path / "a-file"
+    a_file.write_bytes(b"")
+    for target, why in [
+        (a_file, "cannot be written: FileExistsError"),
+        (a_file / "sub", "cannot be written: NotADirectoryError"),
+        ("s3:/bucket/run", "is no URL with a path"),
+        ("s3://", "is no URL with a path"),
+    ]:
+        with pytest.raises(ValueError, match=f"persist_to='{target}.* {why}"):
+            MemStore(root=shm_dir, job_id="job", persist_to=str(target))
+    assert not Path("s3:").exists()
 
 
 def test_bad_persist_configuration_is_refused(shm_dir):

@@ -155,13 +155,10 @@ def test_backlog_wait_lets_saves_through_once_the_server_is_back(small_tmpfs, s3
         assert_tree_equal(sd, load(again, blank_like(sd), "s4"))
 
 
-@pytest.mark.parametrize("fault", ["wrong-secret", "no-credentials", "missing-bucket"])
-def test_bad_credentials_or_bucket_fail_clearly_and_publish_nothing(
-    shm_dir, s3_bucket, fault, caplog, monkeypatch, tmp_path
-):
-    server, url = s3_bucket
-    opts = server.storage_options()
-    target = url
+def _bad_options(server, url: str, fault: str, monkeypatch, tmp_path) -> tuple[str, dict, str]:
+    """``(persist_to, storage_options, error type)`` of a target the real server refuses: a wrong secret,
+    no credentials at all (none in the environment either), or a bucket that does not exist."""
+    opts, target = server.storage_options(), url
     if fault == "wrong-secret":
         opts["secret"] = "not-the-secret"
     elif fault == "no-credentials":
@@ -173,28 +170,61 @@ def test_bad_credentials_or_bucket_fail_clearly_and_publish_nothing(
         monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     else:
         target = "s3://no-such-bucket-here/prefix"
+    expected = {
+        "wrong-secret": "PermissionError",
+        "no-credentials": "NoCredentialsError",
+        "missing-bucket": "FileNotFoundError",
+    }[fault]
+    return target, opts, expected
+
+
+@pytest.mark.parametrize("fault", ["wrong-secret", "no-credentials", "missing-bucket"])
+def test_bad_credentials_or_bucket_are_refused_when_the_store_opens(
+    shm_dir, s3_bucket, fault, monkeypatch, tmp_path
+):
+    server, url = s3_bucket
+    target, opts, expected = _bad_options(server, url, fault, monkeypatch, tmp_path)
+    with pytest.raises(ValueError, match=f"persist_to='{target}' cannot be written: {expected}"):
+        MemStore(root=shm_dir, job_id="job", persist_to=target, storage_options=opts)
+    assert _keys(server, url) == []
+
+
+def test_a_store_opens_while_the_server_is_down_and_uploads_once_it_is_back(shm_dir, s3_bucket, caplog):
+    server, url = s3_bucket
+    server.stop()
+    t0 = time.monotonic()
+    with _store(shm_dir, url, server, persist_every=1) as store:
+        assert time.monotonic() - t0 < 30  # the check at open is bounded; training is not held up
+        assert f"cannot reach persist_to={url!r} now" in caplog.text
+        server.start()
+        save(store, _state(3), "a")
+        assert store.wait_persisted("a", timeout=120).persisted
+
+
+@pytest.mark.parametrize("fault", ["wrong-secret", "no-credentials", "missing-bucket"])
+def test_bad_credentials_or_bucket_fail_clearly_and_publish_nothing(
+    shm_dir, s3_bucket, fault, caplog, monkeypatch, tmp_path
+):
+    """Credentials or bucket go bad while the job runs (the check at open passed): the bucket is removed
+    from the server, or the storage options the store's target uses are swapped for refused ones."""
+    server, url = s3_bucket
+    _, opts, expected = _bad_options(server, url, fault, monkeypatch, tmp_path)
     caplog.set_level(logging.ERROR, logger="dcp_memstore")
-    with MemStore(
-        root=shm_dir,
-        job_id="job",
-        persist_to=target,
-        storage_options=opts,
-        persist_every=1,
-        persist_on_close=False,
-    ) as store:
+    with _store(shm_dir, url, server, persist_every=1) as store:
+        if fault == "missing-bucket":
+            server.filesystem().rmdir(url.removeprefix("s3://"))
+        else:
+            store.target.storage_options = opts
         save(store, _state(1), "a")
         with pytest.raises(PersistError) as ei:
             store.wait_persisted("a", timeout=120)
         st = store.status("a")
         assert st.persist == "failed"
-        expected = {
-            "wrong-secret": "PermissionError",
-            "no-credentials": "NoCredentialsError",
-            "missing-bucket": "FileNotFoundError",
-        }[fault]
         assert expected in st.error and expected in str(ei.value)
         assert any("persisting checkpoint 'a'" in r.getMessage() for r in caplog.records)
         assert store.list_checkpoints() == ["a"]  # still in memory, held
+    if fault == "missing-bucket":
+        server.make_bucket(url.removeprefix("s3://"))
     assert _keys(server, url) == []  # nothing half-visible
     with _store(Path(str(shm_dir) + "-other"), url, server) as other:
         try:
