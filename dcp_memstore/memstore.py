@@ -329,9 +329,11 @@ class MemStore(ReplicatingStore):
         self.check_open()
         cid = validate_name(checkpoint_id)
         try:
-            if catalog.read_commit(self.layout, cid) is not None:
-                local = self.layout.checkpoint_dir(cid)
-                return CheckpointSource(cid, local, **self._tiers(cid), replicas_dir=self.layout.replicas_dir)
+            local = catalog.read_commit(self.layout, cid)
+            if local is not None:  # its files missing here are read from a persisted copy of this save only
+                tiers = {**self._tiers(cid), "_find_remote": functools.partial(self._remote, cid, local)}
+                directory = self.layout.checkpoint_dir(cid)
+                return CheckpointSource(cid, directory, **tiers, replicas_dir=self.layout.replicas_dir)
         except ValueError as e:
             return self.instead_of_local(cid, e)
         src = self._other_tier(cid)
@@ -354,7 +356,11 @@ class MemStore(ReplicatingStore):
         """Another tier's copy of ``checkpoint_id``, whose copy on this node is damaged (``damage`` says
         how: a corrupt commit marker or manifest), with a warning naming both; ``damage`` is raised if
         no other tier has it."""
-        src = self._other_tier(checkpoint_id)
+        try:
+            save = catalog.read_commit(self.layout, checkpoint_id)
+        except ValueError:
+            save = None  # the commit marker is what is damaged: no record to match a persisted copy with
+        src = self._other_tier(checkpoint_id, save)
         if src is None:
             raise damage
         where = (
@@ -373,20 +379,31 @@ class MemStore(ReplicatingStore):
             "fetch_dir": self.layout.fetched_dir(cid),
         }
 
-    def _other_tier(self, cid: str) -> CheckpointSource | None:
-        """``cid`` in the other nodes' memory, else in persistent storage; None if in neither."""
+    def _other_tier(self, cid: str, save: catalog.CommitRecord | None = None) -> CheckpointSource | None:
+        """``cid`` in the other nodes' memory, else in persistent storage (of save ``save`` only, if
+        given); None if in neither."""
         cluster = self._cluster_copy(cid)
         if cluster is not None:
             return CheckpointSource(cid, None, **{**self._tiers(cid), "_find_cluster": lambda: cluster})
-        remote = self._remote(cid)
+        remote = self._remote(cid, save)
         return CheckpointSource(cid, None, lambda: remote) if remote is not None else None
 
-    def _remote(self, cid: str) -> RemoteCheckpoint | None:
-        """The persisted copy of ``cid``, or None (not persisted, no target, or the target unreachable)."""
+    def _remote(self, cid: str, save: catalog.CommitRecord | None = None) -> RemoteCheckpoint | None:
+        """The persisted copy of ``cid``, or None (not persisted, no target, or the target unreachable).
+        With ``save`` (the local copy's commit record), None also if the persisted copy is of another save
+        under the same id: its bytes are not this checkpoint's."""
         if self.target is None:
             return None
         try:
-            if remote_commit(self.target, cid) is None:
+            remote = remote_commit(self.target, cid)
+            if remote is None:
+                return None
+            if save is not None and remote != save:
+                log.warning(
+                    "%s holds another save of checkpoint %r: not read in place of this one's files",
+                    self.target.url_of(cid),
+                    cid,
+                )
                 return None
             return RemoteCheckpoint(self.target, cid, self.io_threads)
         except Exception as e:  # noqa: BLE001 - reading falls back to what is local

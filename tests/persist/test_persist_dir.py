@@ -476,3 +476,22 @@ def test_a_restart_uploads_again_what_was_removed_from_the_target(shm_dir, bucke
             assert_tree_equal(_state(8), load(fresh, blank_like(_state(8)), "c"))
     finally:
         subprocess.run(["rm", "-rf", str(fresh_root)], check=True)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_missing_local_file_is_not_read_from_another_save_persisted_under_its_id(
+    shm_dir, bucket_dir, verify
+):
+    """The id is persisted by an earlier save (so this save's upload is refused); a file of this save goes
+    missing from memory: the load fails saying so, and never reads the other save's bytes in its place
+    (which, with checksums off, would load the wrong tensors without a word)."""
+    first, second = _state(1), _state(2)
+    with _pstore(shm_dir, bucket_dir, keep_in_memory=3, verify_checksums=verify) as store:
+        save(store, first, "final")
+        store.persist("final")
+        store.wait_persisted("final", timeout=60)
+        store.delete("final")
+        save(store, second, "final")
+        (store.layout.checkpoint_dir("final") / "__0_0.shard").unlink()
+        with pytest.raises(BaseException, match="__0_0.shard of checkpoint 'final' is in no tier"):  # noqa: B017
+            load(store, blank_like(second), "final")
