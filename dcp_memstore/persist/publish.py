@@ -18,7 +18,14 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_memstore.dcp.metadata_codec import decode_metadata
 from dcp_memstore.persist.export import PersistedItem, remote_name
-from dcp_memstore.persist.target import COMMITTED, MANIFEST, PARTS, STOCK_METADATA, PersistTarget
+from dcp_memstore.persist.target import (
+    COMMITTED,
+    MANIFEST,
+    PARTS,
+    STOCK_METADATA,
+    PersistTarget,
+    literal,
+)
 from dcp_memstore.store.catalog import CommitRecord
 from dcp_memstore.store.manifest import Manifest, ManifestItem, ShardLocation
 
@@ -44,7 +51,7 @@ def read_parts(target: PersistTarget, commit: CommitRecord) -> dict[str, list[Pe
     except FileNotFoundError:
         return {}
     out: dict[str, list[PersistedItem]] = {}
-    for path, body in fs.cat(paths, on_error="omit").items():
+    for path, body in fs.cat([literal(p) for p in paths], on_error="omit").items():
         r = msgpack.unpackb(body)
         if r.get("commit") == commit.to_record():
             out[path.rsplit("/", 1)[-1]] = [PersistedItem.from_record(x) for x in r["items"]]
@@ -100,13 +107,13 @@ def remote_committed(target: PersistTarget) -> list[CommitRecord]:
     fs = target.fs
     target.forget_listings()
     try:
-        markers = fs.glob(f"{target.root}/*/{COMMITTED}")
+        markers = fs.glob(f"{literal(target.root)}/*/{COMMITTED}")
     except FileNotFoundError:
         return []
     if not markers:
         return []
     out = []
-    for path, body in fs.cat(markers, on_error="omit").items():
+    for path, body in fs.cat([literal(m) for m in markers], on_error="omit").items():
         out.append(
             CommitRecord.from_record(path[len(target.root) + 1 :].split("/", 1)[0], msgpack.unpackb(body))
         )

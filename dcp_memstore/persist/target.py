@@ -9,6 +9,7 @@ each process: fsspec caches instances), so the target is cheap to build and safe
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
 import os
 import re
@@ -47,6 +48,12 @@ def is_permanent(e: BaseException) -> bool:
     """Errors that retrying cannot fix: refused or missing credentials, a missing bucket or directory,
     an id taken by another checkpoint, a broken manifest."""
     return isinstance(e, _PERMANENT) or type(e).__name__ in _PERMANENT_BY_NAME
+
+
+def literal(path: str) -> str:
+    """``path`` as a pattern that matches only itself: fsspec's calls on several paths (``cat`` of a list,
+    ``glob``) expand ``[``, ``*`` and ``?``, which a directory name or bucket prefix may contain."""
+    return glob.escape(path)
 
 
 def describe(e: BaseException) -> str:

@@ -495,3 +495,26 @@ def test_a_missing_local_file_is_not_read_from_another_save_persisted_under_its_
         (store.layout.checkpoint_dir("final") / "__0_0.shard").unlink()
         with pytest.raises(BaseException, match="__0_0.shard of checkpoint 'final' is in no tier"):  # noqa: B017
             load(store, blank_like(second), "final")
+
+
+@pytest.mark.parametrize(("name", "sibling"), [("run[1]", "run1"), ("lr*2", "lr-x2"), ("what?", "whatX")])
+def test_a_persist_directory_named_with_glob_characters_lists_its_checkpoints(
+    shm_dir, tmp_path, name, sibling
+):
+    """A fresh node finds (and loads) the checkpoints persisted under a directory whose name has
+    characters that are special in glob patterns, instead of resuming from nothing, and not those of
+    another run in a directory whose name the pattern would match."""
+    target, sd = tmp_path / name, _state(4)
+    with _pstore(shm_dir, target, persist_every=1) as store:
+        save(store, sd, "c")
+        store.wait_persisted("c", timeout=60)
+    with _pstore(Path(str(shm_dir) + "-other"), tmp_path / sibling, persist_every=1) as other:
+        save(other, _state(5), "newer-of-another-run")
+        other.wait_persisted("newer-of-another-run", timeout=60)
+    fresh_root = Path(str(shm_dir) + "-fresh")
+    try:
+        with MemStore(root=fresh_root, job_id="job", persist_to=str(target)) as fresh:
+            assert fresh.latest_checkpoint() == "c"
+            assert_tree_equal(sd, load(fresh, blank_like(sd), "c"))
+    finally:
+        subprocess.run(["rm", "-rf", str(fresh_root), str(shm_dir) + "-other"], check=True)

@@ -295,3 +295,19 @@ def test_kill_during_upload_or_publication_never_lists_a_partial_checkpoint(shm_
             assert_tree_equal(_state(5, mib=2), load(fresh, blank_like(_state(5, mib=2)), "c"))
     finally:
         subprocess.run(["rm", "-rf", str(fresh_root)], check=True)
+
+
+def test_a_prefix_with_glob_characters_lists_its_checkpoints(shm_dir, s3_bucket):
+    """Checkpoints persisted under a prefix with a glob character in it are listed by a fresh node."""
+    server, url = s3_bucket
+    prefix, sd = f"{url}/run[1]", _state(6)
+    with _store(shm_dir, prefix, server, persist_every=1) as store:
+        save(store, sd, "c")
+        store.wait_persisted("c", timeout=120)
+    fresh_root = Path(str(shm_dir) + "-fresh")
+    try:
+        with _store(fresh_root, prefix, server) as fresh:
+            assert fresh.latest_checkpoint() == "c"
+            assert_tree_equal(sd, load(fresh, blank_like(sd), "c"))
+    finally:
+        subprocess.run(["rm", "-rf", str(fresh_root)], check=True)
