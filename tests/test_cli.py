@@ -71,8 +71,9 @@ def test_list_and_show_say_which_checkpoints_are_held(root, capsys, tmp_path):
 @pytest.mark.skipif(os.geteuid() != 0, reason="bind mounts need root")
 def test_list_and_show_change_nothing_warn_about_nothing_and_work_read_only(root, capsys, tmp_path):
     blocked = tmp_path / "file"
-    blocked.write_bytes(b"")  # uploads fail: the checkpoint stays owed to persistent storage
     store = MemStore(root=root, job_id="j", persist_to=str(blocked), persist_every=1, persist_on_close=False)
+    blocked.rmdir()
+    blocked.write_bytes(b"")  # uploads fail: the checkpoint stays owed to persistent storage
     dcp.save({"w": torch.ones(3)}, checkpoint_id="a", storage_writer=MemoryStorageWriter(store), no_dist=True)
     store.close()
     before = sorted(str(p) for p in Path(root).rglob("*"))
