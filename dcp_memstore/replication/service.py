@@ -75,7 +75,13 @@ class ReplicationService:
         endpoint = self._data.endpoint() if isinstance(self._data, RdmaTransport) else None
         try:  # a node that sends by RDMA also receives by RDMA
             self.server = PeerServer(
-                layout, layout.job_id, self.secret, bind_host, on_commit=on_commit, rdma=endpoint
+                layout,
+                layout.job_id,
+                self.secret,
+                bind_host,
+                on_commit=on_commit,
+                rdma=endpoint,
+                io_timeout_s=io_timeout_s,
             )
         except BaseException:
             for resource in (endpoint, self._data, self.control):

@@ -13,10 +13,13 @@ import threading
 import time
 
 import pytest
+import torch.distributed as dist
 
 from dcp_memstore.errors import InsufficientSpaceError
 from dcp_memstore.replication import PeerServer, ReplicationError, TcpTransport, wire
 from dcp_memstore.replication.auth import new_secret, sign_request
+from dcp_memstore.replication.placement import NodeInfo
+from dcp_memstore.replication.service import ReplicationService
 from dcp_memstore.store.layout import COMMITTED, StoreLayout, shard_name
 from tests.replication.transfer_helpers import (
     JOB,
@@ -553,3 +556,32 @@ def test_commit_refused_without_a_store_or_when_the_store_fails(server, peer_roo
         assert e.value.code == "io_error"
         with pytest.raises(ValueError, match="checkpoint id"):  # refused before anything is sent
             transport.commit(srv.address, "../x", "prepare", rec, b"m")
+
+
+def test_the_servers_of_a_job_give_up_on_a_silent_peer_after_replication_timeout_s(local, tmp_path):
+    """replication_timeout_s bounds how long a silent peer is waited for on both ends: a connection that
+    sends nothing (a peer whose link went down mid-transfer) is closed after it, not after a fixed minute,
+    and its partial file and connection slot freed."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    service = None
+    try:
+        service = ReplicationService(
+            local,
+            NodeInfo(node_rank=0, nnodes=1, local_rank=0, local_world_size=1, rank=0, world_size=1),
+            k=0,
+            bind_host="127.0.0.1",
+            secret=None,
+            transport="tcp",
+            on_commit=lambda *a: None,
+            timeout_s=10,
+            io_timeout_s=1.0,
+            keep=2,
+        )
+        with socket.create_connection(service.server.address, timeout=15) as silent:
+            t0 = time.monotonic()
+            assert silent.recv(1) == b""  # closed by the server
+            assert time.monotonic() - t0 < 10
+    finally:
+        if service is not None:
+            service.close()
+        dist.destroy_process_group()
