@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import socket
 import sys
@@ -35,7 +36,7 @@ from dcp_memstore.dcp.rank_write import RankWrite
 from dcp_memstore.dcp.save_order import SaveOrder
 from dcp_memstore.dcp.stager import Stager, current_rank
 from dcp_memstore.dcp.storable import check_plan
-from dcp_memstore.errors import CheckpointExistsError
+from dcp_memstore.errors import CheckpointExistsError, StagingTimeoutError
 from dcp_memstore.memstore import MemStore
 from dcp_memstore.store import catalog
 from dcp_memstore.store.catalog import CommitRecord
@@ -195,7 +196,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                 # (see stage), once it is its turn (never in collectives while an earlier save is in its)
                 failed, cid = failed or e, None
             # Wait for earlier saves of this job in this process before touching any per-save state.
-            self._order.begin(ticket[0] if ticket else None, self.store.stage_timeout_s)
+            failed = self._wait_turn(ticket[0] if ticket else None, failed)
         except BaseException:
             self._current = ticket
             self._release_slot()
@@ -206,6 +207,22 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         self._save_started = time.time()
         if ticket is not None and ticket[1] is not None:
             _recycle_unwritten_before(self.store.layout, Path(ticket[1]))
+
+    def _wait_turn(self, seq: int | None, failed: BaseException | None) -> BaseException | None:
+        """Wait until every earlier save of this job in this process has ended; return the error this save
+        is to fail with. Waiting longer than ``stage_timeout_s`` is a StagingTimeoutError, raised at once
+        where this process saves alone. With several ranks, another rank may have waited less and be in this
+        save's collectives already: leaving it there would pair its save with this rank's next one. So this
+        rank waits on until it is its turn and fails the save when it plans, on every rank at once."""
+        try:
+            self._order.begin(seq, self.store.stage_timeout_s)
+        except StagingTimeoutError as e:
+            if not other_ranks_wait():
+                raise
+            log.warning("%s. It fails on every rank once the earlier saves have ended", e)
+            self._order.begin(seq, math.inf)
+            return failed or e
+        return failed
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:

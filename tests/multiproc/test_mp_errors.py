@@ -84,7 +84,7 @@ class _SlowOnRank1(DefaultSavePlanner):
 
 def save_waiting_too_long(rank: int, world: int, root: str) -> dict:
     """Two async saves in flight; the second gives up waiting for the first (stage_timeout_s=2). It must
-    fail on its own, without entering DCP's collectives while the first is still in them."""
+    fail, on every rank, without entering DCP's collectives while the first is still in them."""
     store = MemStore(root, "job", max_in_flight=2, stage_timeout_s=2)
     first = {f"rank{rank}": make_tensor(20 + rank, (1000,), torch.float32)}
     f0 = dcp.async_save(
@@ -103,10 +103,53 @@ def save_waiting_too_long(rank: int, world: int, root: str) -> dict:
     return {"second": second, "listed": listed}
 
 
-def test_a_save_that_waits_too_long_for_the_one_before_fails_alone(mp) -> None:
+def test_a_save_that_waits_too_long_for_the_one_before_fails(mp) -> None:
     for rank, r in enumerate(mp.run(save_waiting_too_long, 2, str(mp.root))):
         assert "waited" in r["second"] and "StagingTimeoutError" in r["second"], (rank, r)
         assert r["listed"] == ["a0"], (rank, r)
+
+
+class _Slow(DefaultSavePlanner):
+    """Holds a save for 4 s inside DCP's collectives on every rank (between planning and writing)."""
+
+    def finish_plan(self, new_plan):
+        time.sleep(4)
+        return super().finish_plan(new_plan)
+
+
+def save_timing_out_on_rank_0_only(rank: int, world: int, root: str) -> dict:
+    """Saves b0 (slow) and b1 in flight. Rank 0 starts b1 at once and gives up waiting for b0 after 2 s;
+    rank 1 trains slower and starts b1 only once b0 is done, so it does not wait at all. Rank 1's b1 must
+    not commit or report success without rank 0, and the ranks must stay in step: the next save, c, commits
+    and loads bit-exact on both."""
+    store = MemStore(root, "job", max_in_flight=2, stage_timeout_s=2, keep_in_memory=4)
+    state = {f"rank{rank}": make_tensor(50 + rank, (1000,), torch.float32)}
+    f0 = dcp.async_save(state, checkpoint_id="b0", storage_writer=MemoryStorageWriter(store), planner=_Slow())
+    if rank == 1:
+        f0.result(timeout=60)
+    f1 = dcp.async_save(state, checkpoint_id="b1", storage_writer=MemoryStorageWriter(store))
+    b1 = outcome(lambda: f1.result(timeout=60))
+    f0.result(timeout=60)
+    later = {f"rank{rank}": make_tensor(60 + rank, (1000,), torch.float32)}
+    writer = MemoryStorageWriter(store)
+    c = outcome(lambda: dcp.async_save(later, checkpoint_id="c", storage_writer=writer).result(timeout=60))
+    loaded = outcome(lambda: _load_bit_exact(store, "c", later, rank))
+    listed = store.list_checkpoints()
+    store.close()
+    return {"b1": b1, "c": c, "loaded": loaded, "listed": listed}
+
+
+def _load_bit_exact(store: MemStore, cid: str, expected: dict, rank: int) -> None:
+    out = {k: torch.zeros_like(v) for k, v in expected.items()}
+    dcp.load(out, checkpoint_id=cid, storage_reader=MemoryStorageReader(store))
+    assert_bit_equal(out, expected, f"{cid} on rank {rank}")
+
+
+def test_a_save_that_times_out_waiting_on_one_rank_only_fails_on_every_rank(mp) -> None:
+    for rank, r in enumerate(mp.run(save_timing_out_on_rank_0_only, 2, str(mp.root))):
+        assert "StagingTimeoutError" in r["b1"] and "waited 2s" in r["b1"], (rank, r)
+        assert r["c"] == "ok" and r["loaded"] == "ok", (rank, r)
+        assert r["listed"] == ["b0", "c"], (rank, r)
 
 
 def load_missing_on_rank_1(rank: int, world: int, root: str) -> dict:
