@@ -6,7 +6,7 @@ import contextlib
 import os
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -19,6 +19,9 @@ BACKGROUND_NICE = 10
 def run_parallel(fn: Callable[[Any], T], items: Iterable[Any], threads: int, pool: str = "io") -> list[T]:
     """``[fn(x) for x in items]`` on up to ``threads`` threads (inline for one item or one thread).
 
+    If a call raises, the calls not yet started are dropped and the first error (in item order) is raised
+    once the running ones have ended: a caller that cleans up after a failed save (its files go back to
+    the pool, to be claimed by the next save) must not do so while another thread still writes into them.
     ``pool`` names the thread pool: staging (which stalls training) has its own, so it never queues behind
     a background save's work."""
     items = list(items)
@@ -31,7 +34,15 @@ def run_parallel(fn: Callable[[Any], T], items: Iterable[Any], threads: int, poo
             executor = _pools[pool, threads] = ThreadPoolExecutor(
                 threads, thread_name_prefix=f"dcp_memstore_{pool}"
             )
-    return list(executor.map(fn, items))
+    futures = [executor.submit(fn, x) for x in items]
+    _, pending = wait(futures, return_when=FIRST_EXCEPTION)
+    for f in pending:
+        f.cancel()  # not started: pointless once one call failed
+    wait(futures)
+    for f in futures:
+        if not f.cancelled() and f.exception() is not None:
+            raise f.exception()
+    return [f.result() for f in futures]
 
 
 def in_own_thread(fn: Callable[[], T]) -> T:
