@@ -17,11 +17,12 @@ from typing import Any
 import torch.distributed as dist
 
 from dcp_memstore.errors import InsufficientSpaceError, PersistError
-from dcp_memstore.persist.persister import Persister, node_share
+from dcp_memstore.persist.persister import Persister
 from dcp_memstore.persist.progress import PERSIST_HOLD, Progress, is_owed
-from dcp_memstore.persist.publish import remote_commit, remote_committed
+from dcp_memstore.persist.publish import remote_committed
 from dcp_memstore.persist.remote_read import RemoteCheckpoint
 from dcp_memstore.persist.target import PersistTarget
+from dcp_memstore.persisting import PersistingStore
 from dcp_memstore.replicating import ReplicatingStore
 from dcp_memstore.replication.auth import check_secret
 from dcp_memstore.replication.cluster_read import ClusterCheckpoint
@@ -35,8 +36,7 @@ from dcp_memstore.status import CheckpointStatus
 from dcp_memstore.store import catalog, liveness, space
 from dcp_memstore.store.collective import all_gather_records, dist_active
 from dcp_memstore.store.ids import validate_name
-from dcp_memstore.store.layout import COMMITTED, MANIFEST, StoreLayout
-from dcp_memstore.store.manifest import Manifest
+from dcp_memstore.store.layout import COMMITTED, StoreLayout
 from dcp_memstore.store.mapping import MAPPINGS
 from dcp_memstore.store.pool import FilePool
 from dcp_memstore.store.reserve import stop_reservations
@@ -131,7 +131,7 @@ def _positive_seconds(name: str, value: object) -> float:
     return float(value)
 
 
-class MemStore(ReplicatingStore):
+class MemStore(PersistingStore, ReplicatingStore):
     """A job's checkpoints in node-local memory (tmpfs).
 
     Args:
@@ -388,28 +388,6 @@ class MemStore(ReplicatingStore):
         remote = self._remote(cid, save)
         return CheckpointSource(cid, None, lambda: remote) if remote is not None else None
 
-    def _remote(self, cid: str, save: catalog.CommitRecord | None = None) -> RemoteCheckpoint | None:
-        """The persisted copy of ``cid``, or None (not persisted, no target, or the target unreachable).
-        With ``save`` (the local copy's commit record), None also if the persisted copy is of another save
-        under the same id: its bytes are not this checkpoint's."""
-        if self.target is None:
-            return None
-        try:
-            remote = remote_commit(self.target, cid)
-            if remote is None:
-                return None
-            if save is not None and remote != save:
-                log.warning(
-                    "%s holds another save of checkpoint %r: not read in place of this one's files",
-                    self.target.url_of(cid),
-                    cid,
-                )
-                return None
-            return RemoteCheckpoint(self.target, cid, self.io_threads)
-        except Exception as e:  # noqa: BLE001 - reading falls back to what is local
-            log.warning("cannot read persisted checkpoint %r from %s: %s", cid, self.target.url, e)
-            return None
-
     # -- persistence -----------------------------------------------------------------------------------
 
     def prepare_commit(self, checkpoint_id: str, seq: int) -> None:
@@ -421,26 +399,6 @@ class MemStore(ReplicatingStore):
             progress.request(f"persist_every={self.persist_every}")
         if self._replicating():
             ReplicaRecords(self.layout, checkpoint_id).hold()
-
-    def persist(self, checkpoint_id: str) -> None:
-        """Upload committed checkpoint ``checkpoint_id`` in the background (returns at once; see
-        ``wait_persisted``). Also retries one whose upload failed. Call it on one rank per node or on all."""
-        self.check_open()
-        if self.target is None:
-            raise ValueError(
-                "this MemStore has no persist_to; pass persist_to='s3://bucket/prefix' or a directory"
-            )
-        cid = validate_name(checkpoint_id)
-        if catalog.read_commit(self.layout, cid) is None:
-            if remote_commit(self.target, cid) is not None:
-                return
-            self.require_checkpoint(cid)
-        Progress(self.layout, cid, self.target.url).request("on demand")
-        if catalog.read_commit(self.layout, cid) is None:  # evicted or deleted while we placed the hold
-            catalog.release(self.layout, cid, PERSIST_HOLD)
-            self.require_checkpoint(cid)
-        if self._persister is not None:
-            self._persister.wake()
 
     def status(self, checkpoint_id: str) -> CheckpointStatus:
         """Where ``checkpoint_id`` is: in this node's memory, its replicas on other nodes, and its upload
@@ -457,76 +415,6 @@ class MemStore(ReplicatingStore):
                 st, replication="replicated" if ok else "under-replicated", replicas=replicas
             )
         return st
-
-    def _persist_status(self, checkpoint_id: str) -> CheckpointStatus:
-        cid = validate_name(checkpoint_id)
-        in_memory = catalog.read_commit(self.layout, cid) is not None
-        if self.target is None:
-            if not in_memory:
-                self.require_checkpoint(cid)
-            return CheckpointStatus(cid, in_memory, "off")
-        url = self.target.url_of(cid)
-        if not in_memory:
-            if remote_commit(self.target, cid) is None:
-                self.open_checkpoint(cid)  # raises FileNotFoundError naming what exists
-            return CheckpointStatus(cid, False, "persisted", persisted_url=url)
-        st = self._local_persist_status(cid, url)
-        # Eviction renames the checkpoint's directory away at once: if it is still there, every record read
-        # above was this checkpoint's; if not (published and evicted meanwhile), ask again.
-        if catalog.read_commit(self.layout, cid) is None:
-            return self._persist_status(cid)
-        if st is None:
-            raise FileNotFoundError(
-                f"checkpoint {cid!r} is committed in {self.layout.checkpoint_dir(cid)} "
-                f"but has no {MANIFEST}: "
-                "the store is damaged there; remove it with store.delete(id)"
-            )
-        return st
-
-    def _local_persist_status(self, cid: str, url: str) -> CheckpointStatus | None:
-        """The upload state of ``cid`` from its records in memory; None if it was evicted while reading."""
-        progress = Progress(self.layout, cid, self.target.url)
-        owed = progress.owed()  # before persisted(): publication writes PERSISTED, then drops the hold
-        local_dir = self.layout.checkpoint_dir(cid)
-        try:
-            files = len(node_share(local_dir, Manifest.read(local_dir / MANIFEST).files))
-        except FileNotFoundError:
-            return None
-        counts = {"files_uploaded": min(files, len(progress.done_files())), "files_total": files}
-        if progress.persisted():
-            return CheckpointStatus(cid, True, "persisted", persisted_url=url, **counts)
-        if not owed:
-            return CheckpointStatus(cid, True, "not requested", **counts)
-        states = {s.get("state"): s.get("error") for s in progress.states()}
-        for state in ("failed", "retrying", "uploading"):
-            if state in states:
-                return CheckpointStatus(cid, True, state, error=states[state], **counts)
-        return CheckpointStatus(cid, True, "queued", **counts)
-
-    def wait_persisted(self, checkpoint_id: str, timeout: float | None = None) -> CheckpointStatus:
-        """Block until ``checkpoint_id`` is persisted. Raises PersistError if its upload failed for good,
-        ValueError if nothing will upload it (not requested: call ``persist(id)``), TimeoutError after
-        ``timeout`` seconds."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            st = self.status(checkpoint_id)
-            if st.persisted:
-                return st
-            if st.persist == "failed":
-                raise PersistError(
-                    f"persisting checkpoint {st.checkpoint_id!r} to {self.target.url} failed: {st.error}"
-                )
-            if st.persist in ("off", "not requested"):
-                raise ValueError(
-                    f"checkpoint {st.checkpoint_id!r} is not being persisted ({st.persist}); "
-                    "use MemStore(persist_to=...) and store.persist(id)"
-                )
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"checkpoint {st.checkpoint_id!r} not persisted after {timeout} s: {st.persist}"
-                    f"{' (' + st.error + ')' if st.error else ''}"
-                )
-            time.sleep(0.05)
 
     def after_commit(self) -> None:
         """Retention after a commit on this node: evict beyond ``keep_in_memory`` (with the replicas and
@@ -593,12 +481,6 @@ class MemStore(ReplicatingStore):
                     f"{len(owed)} checkpoint(s) held in memory until uploaded to {self.target.url}: "
                     f"{owed}; {why}",
                 ) from None
-
-    def _owed(self) -> list[str]:
-        """The committed checkpoints owed to persistent storage (held in memory until uploaded)."""
-        return [
-            r.checkpoint_id for r in catalog.committed(self.layout) if is_owed(self.layout, r.checkpoint_id)
-        ]
 
     def delete(self, checkpoint_id: str) -> None:
         """Remove a committed checkpoint from this node's store and free its memory, except the shard files

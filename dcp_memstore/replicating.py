@@ -3,7 +3,8 @@ committing a checkpoint on every node (the coordinator's side and each node's), 
 in ``latest_checkpoint()``, reading from other nodes' memory, and waiting for replicas.
 
 A mixin of ``MemStore`` (it uses the store's layout and options), kept apart so that ``memstore.py`` holds
-the node-local store and persistence, and everything that talks to other nodes is here.
+the node-local store (``persisting.py`` the persistence face), and everything that talks to other nodes
+is here.
 """
 
 from __future__ import annotations

@@ -1,0 +1,147 @@
+"""The persistence face of ``MemStore``: owing a checkpoint to persistent storage, its upload state,
+waiting until it is persisted, and the persisted copy to read from.
+
+A mixin of ``MemStore`` (it uses the store's layout, ``target``, persister and queries), kept apart so that
+``memstore.py`` holds the node-local store, and what concerns persistent storage is here; the uploads
+themselves run in ``persist/persister.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from dcp_memstore.errors import PersistError
+from dcp_memstore.persist.persister import node_share
+from dcp_memstore.persist.progress import PERSIST_HOLD, Progress, is_owed
+from dcp_memstore.persist.publish import remote_commit
+from dcp_memstore.persist.remote_read import RemoteCheckpoint
+from dcp_memstore.status import CheckpointStatus
+from dcp_memstore.store import catalog
+from dcp_memstore.store.ids import validate_name
+from dcp_memstore.store.layout import MANIFEST
+from dcp_memstore.store.manifest import Manifest
+
+log = logging.getLogger("dcp_memstore.memstore")
+
+
+class PersistingStore:
+    """Persistence methods of ``MemStore`` (see the module docstring)."""
+
+    def persist(self, checkpoint_id: str) -> None:
+        """Upload committed checkpoint ``checkpoint_id`` in the background (returns at once; see
+        ``wait_persisted``). Also retries one whose upload failed. Call it on one rank per node or on all."""
+        self.check_open()
+        if self.target is None:
+            raise ValueError(
+                "this MemStore has no persist_to; pass persist_to='s3://bucket/prefix' or a directory"
+            )
+        cid = validate_name(checkpoint_id)
+        if catalog.read_commit(self.layout, cid) is None:
+            if remote_commit(self.target, cid) is not None:
+                return
+            self.require_checkpoint(cid)
+        Progress(self.layout, cid, self.target.url).request("on demand")
+        if catalog.read_commit(self.layout, cid) is None:  # evicted or deleted while we placed the hold
+            catalog.release(self.layout, cid, PERSIST_HOLD)
+            self.require_checkpoint(cid)
+        if self._persister is not None:
+            self._persister.wake()
+
+    def _persist_status(self, checkpoint_id: str) -> CheckpointStatus:
+        cid = validate_name(checkpoint_id)
+        in_memory = catalog.read_commit(self.layout, cid) is not None
+        if self.target is None:
+            if not in_memory:
+                self.require_checkpoint(cid)
+            return CheckpointStatus(cid, in_memory, "off")
+        url = self.target.url_of(cid)
+        if not in_memory:
+            if remote_commit(self.target, cid) is None:
+                self.open_checkpoint(cid)  # raises FileNotFoundError naming what exists
+            return CheckpointStatus(cid, False, "persisted", persisted_url=url)
+        st = self._local_persist_status(cid, url)
+        # Eviction renames the checkpoint's directory away at once: if it is still there, every record read
+        # above was this checkpoint's; if not (published and evicted meanwhile), ask again.
+        if catalog.read_commit(self.layout, cid) is None:
+            return self._persist_status(cid)
+        if st is None:
+            raise FileNotFoundError(
+                f"checkpoint {cid!r} is committed in {self.layout.checkpoint_dir(cid)} "
+                f"but has no {MANIFEST}: "
+                "the store is damaged there; remove it with store.delete(id)"
+            )
+        return st
+
+    def _local_persist_status(self, cid: str, url: str) -> CheckpointStatus | None:
+        """The upload state of ``cid`` from its records in memory; None if it was evicted while reading."""
+        progress = Progress(self.layout, cid, self.target.url)
+        owed = progress.owed()  # before persisted(): publication writes PERSISTED, then drops the hold
+        local_dir = self.layout.checkpoint_dir(cid)
+        try:
+            files = len(node_share(local_dir, Manifest.read(local_dir / MANIFEST).files))
+        except FileNotFoundError:
+            return None
+        counts = {"files_uploaded": min(files, len(progress.done_files())), "files_total": files}
+        if progress.persisted():
+            return CheckpointStatus(cid, True, "persisted", persisted_url=url, **counts)
+        if not owed:
+            return CheckpointStatus(cid, True, "not requested", **counts)
+        states = {s.get("state"): s.get("error") for s in progress.states()}
+        for state in ("failed", "retrying", "uploading"):
+            if state in states:
+                return CheckpointStatus(cid, True, state, error=states[state], **counts)
+        return CheckpointStatus(cid, True, "queued", **counts)
+
+    def wait_persisted(self, checkpoint_id: str, timeout: float | None = None) -> CheckpointStatus:
+        """Block until ``checkpoint_id`` is persisted. Raises PersistError if its upload failed for good,
+        ValueError if nothing will upload it (not requested: call ``persist(id)``), TimeoutError after
+        ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            st = self.status(checkpoint_id)
+            if st.persisted:
+                return st
+            if st.persist == "failed":
+                raise PersistError(
+                    f"persisting checkpoint {st.checkpoint_id!r} to {self.target.url} failed: {st.error}"
+                )
+            if st.persist in ("off", "not requested"):
+                raise ValueError(
+                    f"checkpoint {st.checkpoint_id!r} is not being persisted ({st.persist}); "
+                    "use MemStore(persist_to=...) and store.persist(id)"
+                )
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"checkpoint {st.checkpoint_id!r} not persisted after {timeout} s: {st.persist}"
+                    f"{' (' + st.error + ')' if st.error else ''}"
+                )
+            time.sleep(0.05)
+
+    def _owed(self) -> list[str]:
+        """The committed checkpoints owed to persistent storage (held in memory until uploaded)."""
+        return [
+            r.checkpoint_id for r in catalog.committed(self.layout) if is_owed(self.layout, r.checkpoint_id)
+        ]
+
+    def _remote(self, cid: str, save: catalog.CommitRecord | None = None) -> RemoteCheckpoint | None:
+        """The persisted copy of ``cid``, or None (not persisted, no target, or the target unreachable).
+        With ``save`` (the local copy's commit record), None also if the persisted copy is of another save
+        under the same id: its bytes are not this checkpoint's."""
+        if self.target is None:
+            return None
+        try:
+            remote = remote_commit(self.target, cid)
+            if remote is None:
+                return None
+            if save is not None and remote != save:
+                log.warning(
+                    "%s holds another save of checkpoint %r: not read in place of this one's files",
+                    self.target.url_of(cid),
+                    cid,
+                )
+                return None
+            return RemoteCheckpoint(self.target, cid, self.io_threads)
+        except Exception as e:  # noqa: BLE001 - reading falls back to what is local
+            log.warning("cannot read persisted checkpoint %r from %s: %s", cid, self.target.url, e)
+            return None
