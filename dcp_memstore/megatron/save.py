@@ -48,11 +48,14 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 from dcp_memstore.dcp.writer import MemoryStorageWriter
 from dcp_memstore.megatron.checkpoint_dir import BACKEND, VERSION, checkpoint_id_for, write_pointer
 from dcp_memstore.memstore import MemStore
+from dcp_memstore.store import liveness
+from dcp_memstore.store.layout import StoreLayout
 from dcp_memstore.store.manifest import ShardLocation
-from dcp_memstore.store.records import read_record, write_record
+from dcp_memstore.store.records import read_record, write_atomic, write_record
 
 log = logging.getLogger(__name__)
 RESULTS_RECORD = "megatron-results-r{rank}.msgpack"  # in the store's checkpoint directory, until finalize
+WRITER_SUFFIX = ".writer"  # next to the results record: the liveness token of the process writing this rank
 
 
 class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
@@ -125,6 +128,7 @@ class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
                     "async_fn did not run to its end (was it scheduled? did Megatron's async worker die?)"
                 ) from None
             record.unlink()
+            _writer_marker(record).unlink(missing_ok=True)
             if "error" in rec:
                 raise RuntimeError(f"rank {dw.rank}: writing checkpoint {cid!r} failed: {rec['error']}")
             return [_decode_result(r) for r in rec["results"]]
@@ -199,6 +203,7 @@ def _write_rank(writer: MemoryStorageWriter, plan: SavePlan, data: _ResolvedData
     rank's finalize in a synchronous save (``execute_sync``), and the other ranks would wait for it in
     finalize's collective until the process group timed out."""
     try:
+        _mark_writer(writer.store.layout, Path(record))
         outcome = {"results": [_encode_result(r) for r in writer.write_data(plan, data).value()]}
     except Exception as e:
         outcome = {"error": f"{type(e).__name__}: {e}"}
@@ -206,6 +211,30 @@ def _write_rank(writer: MemoryStorageWriter, plan: SavePlan, data: _ResolvedData
         write_record(Path(record), outcome)
     except OSError as e:  # finalize finds no record, and says so on every rank
         log.error("could not record the outcome of this rank's write in %s: %s", record, e)
+
+
+def _writer_marker(record: Path) -> Path:
+    """Where ``_write_rank`` names the process writing ``record`` (removed with the record at finalize)."""
+    return record.with_suffix(WRITER_SUFFIX)
+
+
+def _mark_writer(layout: StoreLayout, record: Path) -> None:
+    """Name the process that writes this rank's part (by its liveness token, see ``store/liveness.py``), so
+    that the trainer learns when that process dies before leaving ``record``: Megatron's forked worker may
+    be killed (SIGKILL, the OOM killer), and the trainer's next save must not wait for it."""
+    try:
+        write_atomic(_writer_marker(record), liveness.own_token(layout).encode())
+    except OSError as e:  # then the trainer waits for the record (or the finalize step) alone
+        log.warning("could not record which process writes %s: %s", record, e)
+
+
+def _writer_died(layout: StoreLayout, record: Path) -> bool:
+    """Whether the process that ``_mark_writer`` named for ``record`` has ended (False until one is named)."""
+    try:
+        token = _writer_marker(record).read_text()
+    except FileNotFoundError:
+        return False
+    return liveness.is_token(token) and not liveness.alive(layout, token)
 
 
 def _encode_result(r: WriteResult) -> list:
@@ -230,11 +259,14 @@ class _SaveThread:
     writer's ``reset`` binds it): a later save starts only when the threads of earlier ones have ended, and
     a stager recycles the staging slot of a save whose thread ended without writing it. Megatron plans on
     the trainer's thread and writes in its async worker, so this thread calls ``reset`` (waiting there for
-    earlier saves) and then lives until this rank's write has left its results ``record`` (after the
-    planning: ``watch``), or until ``release`` (finalize, or a failed planning)."""
+    earlier saves) and then lives until this rank's write has left its results ``record`` or its writing
+    process has died without (after the planning: ``watch``), or until ``release`` (finalize, or a failed
+    planning). A dead writer ends it before the finalize step: the trainer may start its next save first,
+    and that save would otherwise wait for this one forever."""
 
     def __init__(self, writer: MemoryStorageWriter, checkpoint_id: str, record: Path) -> None:
         self._record = record
+        self._layout = writer.store.layout
         self._watching = threading.Event()
         self._released = threading.Event()
         self._started = threading.Event()
@@ -260,13 +292,15 @@ class _SaveThread:
             self._started.set()
         delay = 0.001
         while not self._released.wait(delay):
-            if self._watching.is_set() and self._record.exists():
+            if self._watching.is_set() and (
+                self._record.exists() or _writer_died(self._layout, self._record)
+            ):
                 return
             delay = min(delay * 2, 0.02)
 
     def watch(self) -> None:
-        """The planning is done (a results record from an earlier attempt at this id is gone): end once this
-        save's record appears."""
+        """The planning is done (the records of an earlier attempt at this id are gone): end once this
+        save's record appears or its writer has died."""
         self._watching.set()
 
     def release(self) -> None:
