@@ -6,9 +6,12 @@ with ``MemStoreSaveStrategy`` are in the strategy's store instead, under a check
 
 * **save:** the id is the directory's base name (``/ckpts/run1/iter_0000100`` -> ``iter_0000100``),
   validated like every store id (letters, digits, ``.``, ``_``, ``-``; no path). At commit the coordinator
-  writes ``dcp_memstore.json`` into the directory: format, backend, store root, job id, checkpoint id.
+  writes ``dcp_memstore.json`` into the directory: format, backend, store root, job id, checkpoint id,
+  and the checksum of Megatron's ``common.pt`` as committed with the tensors.
 * **load:** the id named by ``dcp_memstore.json`` (so a renamed directory still finds its checkpoint), else
-  the base name; a pointer naming another job than the load strategy's store is refused.
+  the base name; a pointer naming another job than the load strategy's store is refused, and so is a
+  ``common.pt`` that changed since the commit (Megatron writes it before the strategy runs, so a later
+  save into the same directory replaces it even when the store refuses that save).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 from megatron.core.dist_checkpointing.core import CheckpointingException
 
 from dcp_memstore.memstore import MemStore
+from dcp_memstore.store.checksum import checksum_bytes
 from dcp_memstore.store.ids import validate_name
 from dcp_memstore.store.records import write_atomic
 
@@ -28,6 +32,7 @@ BACKEND = "dcp_memstore"  # metadata.json's sharded_backend of checkpoints saved
 VERSION = 1
 POINTER = "dcp_memstore.json"  # in checkpoint_dir: which store and id hold the checkpoint's data
 POINTER_FORMAT = 1
+COMMON_STATE = "common.pt"  # Megatron's common state, which it writes into checkpoint_dir itself
 
 
 def checkpoint_id_for(checkpoint_dir: str | os.PathLike) -> str:
@@ -58,6 +63,7 @@ def write_pointer(checkpoint_dir: str | os.PathLike, store: MemStore, checkpoint
         "root": str(store.root),
         "job_id": store.job_id,
         "checkpoint_id": checkpoint_id,
+        "common_checksum": common_checksum(checkpoint_dir),
     }
     write_atomic(Path(checkpoint_dir) / POINTER, (json.dumps(record, indent=1) + "\n").encode())
 
@@ -90,3 +96,31 @@ def resolve_checkpoint_id(checkpoint_dir: str | os.PathLike, store: MemStore) ->
             f"use MemStore(root={pointer.get('root')!r}, job_id={pointer.get('job_id')!r})"
         )
     return validate_name(pointer.get("checkpoint_id"))
+
+
+def common_checksum(checkpoint_dir: str | os.PathLike) -> str | None:
+    """The checksum (xxh3-64, hex) of ``checkpoint_dir``'s ``common.pt``; None if it has none."""
+    try:
+        data = (Path(checkpoint_dir) / COMMON_STATE).read_bytes()
+    except FileNotFoundError:
+        return None
+    return f"{checksum_bytes(data):016x}"
+
+
+def check_common_state(checkpoint_dir: str | os.PathLike) -> None:
+    """CheckpointingException unless ``common.pt`` is the one committed with the checkpoint's tensors.
+
+    Megatron writes ``common.pt`` before the sharded strategy runs, so a second save into the directory of
+    a committed checkpoint replaces it even though the store refuses that save's tensors; loading would
+    then mix the two saves. Pointers without a checksum (none recorded) are not checked."""
+    pointer = read_pointer(checkpoint_dir)
+    if pointer is None or pointer.get("common_checksum") is None:
+        return
+    if common_checksum(checkpoint_dir) != pointer["common_checksum"]:
+        raise CheckpointingException(
+            f"{Path(checkpoint_dir) / COMMON_STATE} changed after checkpoint "
+            f"{pointer.get('checkpoint_id')!r} was committed (a later dist_checkpointing.save into this "
+            "directory wrote it, and the store refused that save's tensors): its common state does not "
+            "belong with the tensors. Load another checkpoint (store.latest_checkpoint()), or delete this "
+            "one with store.delete(id) and save it again"
+        )

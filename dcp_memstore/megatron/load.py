@@ -29,7 +29,13 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from dcp_memstore.dcp.reader import MemoryStorageReader
-from dcp_memstore.megatron.checkpoint_dir import BACKEND, VERSION, read_pointer, resolve_checkpoint_id
+from dcp_memstore.megatron.checkpoint_dir import (
+    BACKEND,
+    VERSION,
+    check_common_state,
+    read_pointer,
+    resolve_checkpoint_id,
+)
 from dcp_memstore.memstore import MemStore
 
 
@@ -62,6 +68,7 @@ class MemStoreLoadStrategy(TorchDistLoadShardedStrategy):
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike) -> StateDict:
         """Load the ShardedTensors and ShardedObjects of ``sharded_state_dict`` from the store."""
         cid = resolve_checkpoint_id(checkpoint_dir, self.store)
+        check_common_state(checkpoint_dir)  # Megatron has read it already: it must be this checkpoint's
         checked, mismatch_ok = [], {}
         for sh in nested_values(sharded_state_dict):
             if isinstance(sh, ShardedTensor):
