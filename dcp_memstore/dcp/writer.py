@@ -98,7 +98,8 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         self._armed = False  # reset() ran for the save in progress
         self._save_started = 0.0
         self._reserve_ahead = True  # False in DCP's checkpoint process, where no save would claim them
-        # (error, (pid, thread) that staged) of a save whose staging failed here while other ranks staged
+        # (error, (pid, thread) that staged) of a save whose staging failed here while other ranks staged, or,
+        # in DCP's checkpoint process, of one that waited too long to be sent there: it fails when it plans
         self._stage_error: tuple[BaseException, tuple[int, int]] | None = None
         self._deferred_error: BaseException | None = None  # fails the save in progress when it plans
         self._begun_by: threading.Thread | None = None  # the thread that began this writer's checkpoint
@@ -109,7 +110,8 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
 
     def __getstate__(self) -> dict[str, Any]:
         """The receiving process takes over the saves staged so far and runs them in the order it gets them,
-        so this waits until every earlier staged save of the job has been written there."""
+        so this waits until every earlier staged save of the job has been written there. A save that waited
+        too long is still sent, with the error, where other ranks wait for it (see ``_defer_timeout``)."""
         if get_sharing_strategy() != "file_descriptor":
             _abandon_pending(self.store.layout, self._pending)  # these saves will never run
             raise RuntimeError(
@@ -117,14 +119,19 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                 f"torch.multiprocessing's sharing strategy is {get_sharing_strategy()!r}. Call "
                 "torch.multiprocessing.set_sharing_strategy('file_descriptor') or use the THREAD executor."
             )
+        timed_out = None
         try:
             for seq, _, _ in self._pending:
-                self._order.wait_sent_in_order(seq, self.store.stage_timeout_s)
+                timed_out = self._defer_timeout(
+                    functools.partial(self._order.wait_sent_in_order, seq), timed_out
+                )
                 self._order.bind(seq)  # bound to DCP's executor thread that sends this save
         except BaseException:
             _abandon_pending(self.store.layout, self._pending)  # these saves will never run
             raise
         state = dict(self.__dict__)
+        if timed_out is not None and self._stage_error is None:  # its reset there fails it when it plans
+            state["_stage_error"] = (timed_out, self._pending[0][2])
         state["_pending"] = deque(self._pending)
         state.pop("_abandon", None)
         state["_begun_by"] = None  # a thread of this process
@@ -210,17 +217,24 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
 
     def _wait_turn(self, seq: int | None, failed: BaseException | None) -> BaseException | None:
         """Wait until every earlier save of this job in this process has ended; return the error this save
-        is to fail with. Waiting longer than ``stage_timeout_s`` is a StagingTimeoutError, raised at once
-        where this process saves alone. With several ranks, another rank may have waited less and be in this
+        is to fail with (see ``_defer_timeout``)."""
+        return self._defer_timeout(functools.partial(self._order.begin, seq), failed)
+
+    def _defer_timeout(
+        self, wait: Callable[[float], None], failed: BaseException | None
+    ) -> BaseException | None:
+        """Run ``wait(timeout_s)`` (a wait for earlier saves of the job); return the error this save is to
+        fail with. Waiting longer than ``stage_timeout_s`` is a StagingTimeoutError, raised at once where
+        this process saves alone. With several ranks, another rank may have waited less and be in this
         save's collectives already: leaving it there would pair its save with this rank's next one. So this
         rank waits on until it is its turn and fails the save when it plans, on every rank at once."""
         try:
-            self._order.begin(seq, self.store.stage_timeout_s)
+            wait(self.store.stage_timeout_s)
         except StagingTimeoutError as e:
             if not other_ranks_wait():
                 raise
             log.warning("%s. It fails on every rank once the earlier saves have ended", e)
-            self._order.begin(seq, math.inf)
+            wait(math.inf)
             return failed or e
         return failed
 

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlan
 
 from tests.dcp.dcp_state import bits
 
@@ -313,6 +315,16 @@ def blank_like(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return torch.zeros_like(value)
     return type(value)()
+
+
+class SlowPlanner(DefaultSavePlanner):
+    """Holds a save for 4 s inside DCP's collectives on every rank (between planning and writing). It lives
+    here, not in a test module: DCP's PROCESS executor pickles the planner to its checkpoint process, which
+    has to import its class."""
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        time.sleep(4)
+        return super().finish_plan(new_plan)
 
 
 def write_record(path: Path, text: str) -> None:

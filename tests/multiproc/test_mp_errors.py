@@ -4,13 +4,16 @@ of our exceptions has to survive pickling with its message."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from mp_harness import assert_bit_equal, make_tensor
+from mp_harness import SlowPlanner, assert_bit_equal, make_tensor
 from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlanner
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from dcp_memstore import MemoryStorageReader, MemoryStorageWriter, MemStore
 
@@ -109,30 +112,33 @@ def test_a_save_that_waits_too_long_for_the_one_before_fails(mp) -> None:
         assert r["listed"] == ["a0"], (rank, r)
 
 
-class _Slow(DefaultSavePlanner):
-    """Holds a save for 4 s inside DCP's collectives on every rank (between planning and writing)."""
-
-    def finish_plan(self, new_plan):
-        time.sleep(4)
-        return super().finish_plan(new_plan)
-
-
-def save_timing_out_on_rank_0_only(rank: int, world: int, root: str) -> dict:
+def save_timing_out_on_rank_0_only(rank: int, world: int, root: str, executor: str) -> dict:
     """Saves b0 (slow) and b1 in flight. Rank 0 starts b1 at once and gives up waiting for b0 after 2 s;
     rank 1 trains slower and starts b1 only once b0 is done, so it does not wait at all. Rank 1's b1 must
     not commit or report success without rank 0, and the ranks must stay in step: the next save, c, commits
-    and loads bit-exact on both."""
+    and loads bit-exact on both. With the PROCESS executor rank 0 times out sending b1 to DCP's checkpoint
+    process (the planner is pickled there, so it comes from an importable module). A first save, a, waited
+    on by every rank, starts that process: until it runs, async_save starts it with a collective."""
     store = MemStore(root, "job", max_in_flight=2, stage_timeout_s=2, keep_in_memory=4)
+    kind = AsyncCheckpointerType(executor)
+
+    def save(state: dict, cid: str, planner: SavePlanner | None = None) -> Future:
+        """An async save on the executor under test, with a writer of its own (two are in flight)."""
+        writer = MemoryStorageWriter(store)
+        return dcp.async_save(
+            state, checkpoint_id=cid, storage_writer=writer, planner=planner, async_checkpointer_type=kind
+        )
+
     state = {f"rank{rank}": make_tensor(50 + rank, (1000,), torch.float32)}
-    f0 = dcp.async_save(state, checkpoint_id="b0", storage_writer=MemoryStorageWriter(store), planner=_Slow())
+    save(state, "a").result(timeout=60)
+    f0 = save(state, "b0", planner=SlowPlanner())
     if rank == 1:
         f0.result(timeout=60)
-    f1 = dcp.async_save(state, checkpoint_id="b1", storage_writer=MemoryStorageWriter(store))
+    f1 = save(state, "b1")
     b1 = outcome(lambda: f1.result(timeout=60))
     f0.result(timeout=60)
     later = {f"rank{rank}": make_tensor(60 + rank, (1000,), torch.float32)}
-    writer = MemoryStorageWriter(store)
-    c = outcome(lambda: dcp.async_save(later, checkpoint_id="c", storage_writer=writer).result(timeout=60))
+    c = outcome(lambda: save(later, "c").result(timeout=60))
     loaded = outcome(lambda: _load_bit_exact(store, "c", later, rank))
     listed = store.list_checkpoints()
     store.close()
@@ -145,11 +151,12 @@ def _load_bit_exact(store: MemStore, cid: str, expected: dict, rank: int) -> Non
     assert_bit_equal(out, expected, f"{cid} on rank {rank}")
 
 
-def test_a_save_that_times_out_waiting_on_one_rank_only_fails_on_every_rank(mp) -> None:
-    for rank, r in enumerate(mp.run(save_timing_out_on_rank_0_only, 2, str(mp.root))):
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_a_save_that_times_out_waiting_on_one_rank_only_fails_on_every_rank(mp, executor: str) -> None:
+    for rank, r in enumerate(mp.run(save_timing_out_on_rank_0_only, 2, str(mp.root), executor)):
         assert "StagingTimeoutError" in r["b1"] and "waited 2s" in r["b1"], (rank, r)
         assert r["c"] == "ok" and r["loaded"] == "ok", (rank, r)
-        assert r["listed"] == ["b0", "c"], (rank, r)
+        assert r["listed"] == ["a", "b0", "c"], (rank, r)
 
 
 def load_missing_on_rank_1(rank: int, world: int, root: str) -> dict:
