@@ -32,10 +32,11 @@ from tests.megatron.test_megatron_strategies import (  # noqa: E402
     expected_loaded,
     local_values,
     rank_object,
+    run_megatron_job,
     sharded,
     template,
 )
-from tests.multiproc.mp_harness import JOB_ID, MultiProc, assert_bit_equal  # noqa: E402
+from tests.multiproc.mp_harness import JOB_ID, assert_bit_equal  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -75,14 +76,7 @@ def resave_job(rank: int, world: int, root: str, ckpts: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def job() -> Any:
     """Run the 2-rank job once; its ranks' reports."""
-    m = MultiProc()
-    try:
-        ckpts = m.workdir / "ckpts"
-        for name in (RESAVED, KEPT):
-            (ckpts / name).mkdir(parents=True)  # Megatron wants checkpoint_dir to exist
-        yield m.run(resave_job, WORLD, str(m.root), str(ckpts))
-    finally:
-        m.close()
+    yield from run_megatron_job(resave_job, (RESAVED, KEPT))
 
 
 def test_load_refuses_common_state_replaced_by_a_refused_save(job: list[dict]) -> None:

@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,13 @@ from dcp_memstore.megatron import (  # noqa: E402
 from dcp_memstore.megatron.checkpoint_dir import resolve_checkpoint_id, write_pointer  # noqa: E402
 from dcp_memstore.megatron.save import RESULTS_RECORD, _write_rank  # noqa: E402
 from tests.megatron.cuda_shim import shim_cuda_for_cpu  # noqa: E402
-from tests.multiproc.mp_harness import JOB_ID, MultiProc, assert_bit_equal, make_tensor  # noqa: E402
+from tests.multiproc.mp_harness import (  # noqa: E402
+    JOB_ID,
+    JOB_TIMEOUT_S,
+    MultiProc,
+    assert_bit_equal,
+    make_tensor,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -260,18 +267,27 @@ def megatron_job(rank: int, world: int, root: str, ckpts: str) -> dict[str, Any]
     return out
 
 
-@pytest.fixture(scope="module")
-def job() -> Any:
-    """Run the 2-rank job once for the module; its ranks' reports."""
+def run_megatron_job(
+    fn: Callable, dirs: Iterable[str], timeout: float = JOB_TIMEOUT_S
+) -> Iterator[list[dict[str, Any]]]:
+    """For a module's fixture: run ``fn(rank, world, root, ckpts)`` once on WORLD gloo ranks, where
+    ``ckpts`` holds the empty checkpoint directories ``dirs`` (Megatron wants checkpoint_dir to exist);
+    yield the ranks' reports (failing if the job fails or outlasts ``timeout``), then remove everything."""
     m = MultiProc()
     try:
         ckpts = m.workdir / "ckpts"
-        for name in (SYNC, ASYNC, EXEC, FAILED, STAGE_FAILED, WRITE_FAILED, f"again/{SYNC}"):
-            (ckpts / name).mkdir(parents=True)  # Megatron wants checkpoint_dir to exist
-        reports = m.run(megatron_job, WORLD, str(m.root), str(ckpts))
-        yield reports
+        for name in dirs:
+            (ckpts / name).mkdir(parents=True)
+        yield m.start(fn, WORLD, str(m.root), str(ckpts)).check(timeout=timeout)
     finally:
         m.close()
+
+
+@pytest.fixture(scope="module")
+def job() -> Any:
+    """Run the 2-rank job once for the module; its ranks' reports."""
+    dirs = (SYNC, ASYNC, EXEC, FAILED, STAGE_FAILED, WRITE_FAILED, f"again/{SYNC}")
+    yield from run_megatron_job(megatron_job, dirs)
 
 
 # -- the tests ----------------------------------------------------------------------------------------------

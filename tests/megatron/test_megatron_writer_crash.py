@@ -38,10 +38,11 @@ from tests.megatron.test_megatron_strategies import (  # noqa: E402
     expected_loaded,
     local_values,
     rank_object,
+    run_megatron_job,
     sharded,
     template,
 )
-from tests.multiproc.mp_harness import JOB_ID, MultiProc, assert_bit_equal  # noqa: E402
+from tests.multiproc.mp_harness import JOB_ID, assert_bit_equal  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -92,14 +93,7 @@ def crashed_writer_job(rank: int, world: int, root: str, ckpts: str) -> dict[str
 @pytest.fixture(scope="module")
 def job() -> Any:
     """Run the 2-rank job once; its ranks' reports (fails if it hangs)."""
-    m = MultiProc()
-    try:
-        ckpts = m.workdir / "ckpts"
-        for name in (CRASHED, NEXT):
-            (ckpts / name).mkdir(parents=True)  # Megatron wants checkpoint_dir to exist
-        yield m.start(crashed_writer_job, WORLD, str(m.root), str(ckpts)).check(timeout=JOB_WAIT_S)
-    finally:
-        m.close()
+    yield from run_megatron_job(crashed_writer_job, (CRASHED, NEXT), timeout=JOB_WAIT_S)
 
 
 def test_next_save_does_not_wait_for_a_killed_writer(job: list[dict]) -> None:
