@@ -430,11 +430,13 @@ class MemStore(PersistingStore, ReplicatingStore):
     def _trim_pools(self) -> None:
         """Free the memory of pooled shard files beyond those the next saves reuse (``max_in_flight`` x
         ``io_threads`` per rank): eviction and deletion move a checkpoint's files into the pools. The pools
-        of ranks with no shard file in the newest checkpoint on this node are emptied: no save of theirs
+        of ranks with no file in the newest checkpoint on this node are emptied: no save of theirs
         comes to reuse them (a job restarted with fewer ranks, or with other ranks on this node)."""
         newest = catalog.committed(self.layout)[-1:]
         # None: no checkpoint to tell (or it was evicted meanwhile), every rank keeps its files
-        saving = (catalog.shard_ranks(self.layout, newest[0].checkpoint_id) if newest else None) or None
+        saving = (
+            catalog.ranks_with_files(self.layout.checkpoint_dir(newest[0].checkpoint_id)) if newest else None
+        ) or None
         with contextlib.suppress(FileNotFoundError):
             for e in os.scandir(self.layout.pools_dir):
                 if e.name.startswith("rank") and e.name[4:].isdigit():

@@ -61,10 +61,7 @@ def node_share(local_dir: Path, files: Iterable[str]) -> set[str]:
     """The files of a checkpoint (``files``, those its manifest lists) that this node uploads: those of the
     ranks that have a file in ``local_dir``. In a job of several nodes each node holds only the files its
     own ranks wrote; a missing file of such a rank stays in the share, so that its upload fails saying so."""
-    try:
-        here = {file_rank(e.name) for e in os.scandir(local_dir)}
-    except FileNotFoundError:
-        return set()
+    here = catalog.ranks_with_files(local_dir)
     return {f for f in files if file_rank(f) in here}
 
 

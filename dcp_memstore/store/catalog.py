@@ -27,7 +27,16 @@ from pathlib import Path
 import psutil
 
 from dcp_memstore.store import liveness
-from dcp_memstore.store.layout import COMMITTED, HOLDS, INPROGRESS, OWNER, StoreLayout, name_pid, shard_rank
+from dcp_memstore.store.layout import (
+    COMMITTED,
+    HOLDS,
+    INPROGRESS,
+    OWNER,
+    StoreLayout,
+    file_rank,
+    name_pid,
+    shard_rank,
+)
 from dcp_memstore.store.pool import FilePool
 from dcp_memstore.store.records import read_record, write_record
 
@@ -211,13 +220,14 @@ def committed(layout: StoreLayout) -> list[CommitRecord]:
     return sorted(out, key=lambda r: r.seq)
 
 
-def shard_ranks(layout: StoreLayout, checkpoint_id: str) -> set[int]:
-    """The ranks with a shard file in this node's directory of ``checkpoint_id`` (empty if it is gone)."""
+def ranks_with_files(directory: Path) -> set[int]:
+    """The ranks with a data file (shard or objects file) in checkpoint directory ``directory`` on this
+    node (empty if it is gone): in a job of several nodes, the ranks of this node that wrote it."""
     try:
-        names = os.listdir(layout.checkpoint_dir(checkpoint_id))
+        names = os.listdir(directory)
     except (FileNotFoundError, NotADirectoryError):
         return set()
-    return {rank for name in names if (rank := shard_rank(name)) is not None}
+    return {rank for name in names if (rank := file_rank(name)) is not None}
 
 
 def discard(layout: StoreLayout, directory: Path) -> None:
