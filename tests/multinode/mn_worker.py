@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -29,7 +30,10 @@ ROW = 1024  # floats per row: 4 KiB
 
 
 def emit(**event: object) -> None:
-    print("@@mn " + json.dumps({"rank": dist.get_rank(), **event}), flush=True)
+    """One ``os.write`` per event: the ranks of a node share its log, and ``print`` writes the newline
+    apart when stdout is unbuffered (``PYTHONUNBUFFERED``), so two events could share a line."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), ("@@mn " + json.dumps({"rank": dist.get_rank(), **event}) + "\n").encode())
 
 
 def global_weight(step: int, mib: int) -> torch.Tensor:

@@ -54,9 +54,8 @@ print(json.dumps(out))
 
 
 def events(log: str) -> list[dict]:
-    """The ``@@mn`` events in a node's log (ranks of one node share it: two may land on one line)."""
-    lines = (line for line in log.splitlines() if line.startswith("@@mn "))
-    return [json.loads(event) for line in lines for event in line.split("@@mn ")[1:]]
+    """The ``@@mn`` events in a node's log, one per line."""
+    return [json.loads(line[5:]) for line in log.splitlines() if line.startswith("@@mn ")]
 
 
 def launch(
