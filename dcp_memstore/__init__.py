@@ -11,6 +11,7 @@ from dcp_memstore.dcp.reader import MemoryStorageReader
 from dcp_memstore.dcp.writer import MemoryStorageWriter
 from dcp_memstore.errors import (
     CheckpointExistsError,
+    CheckpointInUseError,
     ChecksumMismatchError,
     CommitError,
     CorruptShardError,
@@ -32,6 +33,7 @@ __all__ = [
     "CorruptShardError",
     "TruncatedShardError",
     "CheckpointExistsError",
+    "CheckpointInUseError",
     "CommitError",
     "InsufficientSpaceError",
     "PersistError",

@@ -11,6 +11,7 @@ import argparse
 import sys
 import time
 
+from dcp_memstore.errors import CheckpointInUseError
 from dcp_memstore.memstore import MemStore, resolve_job_id, resolve_root
 from dcp_memstore.store import catalog
 from dcp_memstore.store.ids import validate_name
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         return args.fn(args)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, CheckpointInUseError) as e:
         print(f"dcp-memstore: {e}", file=sys.stderr)
         return 2
 

@@ -66,6 +66,10 @@ class CheckpointExistsError(FileExistsError):
     """A committed checkpoint with this id already exists in the store."""
 
 
+class CheckpointInUseError(RuntimeError):
+    """A checkpoint cannot be deleted now: a load is reading it."""
+
+
 class StagingTimeoutError(TimeoutError):
     """A new save waited too long for an earlier one to finish its writes."""
 

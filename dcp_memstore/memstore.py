@@ -487,13 +487,13 @@ class MemStore(PersistingStore, ReplicatingStore):
     def delete(self, checkpoint_id: str) -> None:
         """Remove a committed checkpoint from this node's store and free its memory, except the shard files
         the pools keep for the next saves (a persisted copy stays where it is). Also one whose commit marker
-        is corrupt: the way to free that one's memory."""
+        is corrupt: the way to free that one's memory. ``CheckpointInUseError`` while a load (in any
+        process on this node) reads it."""
         self.check_open()
         cid = validate_name(checkpoint_id)
-        directory = self.layout.checkpoint_dir(cid)
-        if not (directory / COMMITTED).is_file():
+        if not (self.layout.checkpoint_dir(cid) / COMMITTED).is_file():
             self.require_checkpoint(cid)  # FileNotFoundError naming the checkpoints that exist
-        catalog.discard(self.layout, directory)
+        catalog.delete(self.layout, cid)
         catalog.drop_copies(self.layout, cid)
         self._trim_pools()
 

@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_memstore import MemoryStorageWriter, MemStore
 from dcp_memstore.cli import main
+from dcp_memstore.store import catalog
 
 
 @pytest.fixture
@@ -46,6 +47,21 @@ def test_list_show_delete(root, capsys):
     assert _cli(capsys, "delete", "step-1", "--root", root, "--job-id", "j")[0] == 0
     assert store.list_checkpoints() == ["step-2"]
     store.close()  # stops the allocation of the next save's files, which would outlive the root's removal
+
+
+def test_delete_of_a_checkpoint_being_loaded_is_refused_and_changes_nothing(root, capsys):
+    with MemStore(root=root, job_id="j") as store:
+        sd = {"w": torch.arange(10.0)}
+        dcp.save(sd, checkpoint_id="step-1", storage_writer=MemoryStorageWriter(store), no_dist=True)
+        # the hold a load of this (live) process places on it while it reads (see the reader)
+        hold = catalog.process_hold(store.layout, "step-1", "load")
+        code, _, err = _cli(capsys, "delete", "step-1", "--root", root, "--job-id", "j")
+        assert code == 2
+        assert f"'step-1' in store {store.layout.job_dir} is being loaded (pid {os.getpid()} on host" in err
+        assert store.list_checkpoints() == ["step-1"]
+        catalog.release(store.layout, "step-1", hold)
+        assert _cli(capsys, "delete", "step-1", "--root", root, "--job-id", "j")[0] == 0
+        assert store.list_checkpoints() == []
 
 
 def test_unknown_checkpoint_is_a_clear_error(root, capsys):

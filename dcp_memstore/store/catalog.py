@@ -26,6 +26,7 @@ from pathlib import Path
 
 import psutil
 
+from dcp_memstore.errors import CheckpointInUseError
 from dcp_memstore.store import liveness
 from dcp_memstore.store.layout import (
     COMMITTED,
@@ -235,6 +236,24 @@ def discard(layout: StoreLayout, directory: Path) -> None:
     pools, and delete the rest. A trash directory removed under this process (``rm -rf`` of the job's
     directory) is made again: only a ``directory`` that is gone counts as discarded already."""
     trash = _to_trash(layout, directory)
+    if trash is not None:
+        recycle(layout, trash)
+
+
+def delete(layout: StoreLayout, checkpoint_id: str) -> None:
+    """``discard`` checkpoint ``checkpoint_id``, unless a live process is loading it: its files would go
+    to the pools and the next save would write into them while the load reads them (wrong bytes, found
+    only if checksums are verified). ``CheckpointInUseError`` naming the loading processes then."""
+    with _retention_lock(layout, exclusive=True):  # no load hold is placed between the look and the rename
+        loads = [n for n in holds(layout, checkpoint_id) if n.startswith("load-")]
+        if loads:
+            owners = [_safe_read(layout.checkpoint_dir(checkpoint_id) / HOLDS / n) or {} for n in loads]
+            who = ", ".join(f"pid {o.get('pid', '?')} on host {o.get('host', '?')}" for o in owners)
+            raise CheckpointInUseError(
+                f"checkpoint {checkpoint_id!r} in store {layout.job_dir} is being loaded ({who}); "
+                "delete it once the load has ended"
+            )
+        trash = _to_trash(layout, layout.checkpoint_dir(checkpoint_id))
     if trash is not None:
         recycle(layout, trash)
 

@@ -1,5 +1,5 @@
 """Retention and reuse through DCP: keep_in_memory, shard file reuse, list/latest order, delete,
-max_in_flight, loads that run while saves evict."""
+max_in_flight, loads that run while saves evict or a delete is asked for."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
 import dcp_memstore.dcp.reader as reader_module
-from dcp_memstore import MemoryStorageReader, MemStore
+from dcp_memstore import CheckpointInUseError, MemoryStorageReader, MemStore
 
 
 def _state(i: int) -> dict:
@@ -307,6 +307,8 @@ def test_a_load_that_saves_would_evict_meanwhile_reads_its_own_checkpoint(
     loader.start()
     try:
         assert paused.wait(60)
+        with pytest.raises(CheckpointInUseError, match=rf"'s2' .* is being loaded \(pid {os.getpid()} on"):
+            store.delete("s2")  # would pool its file just the same
         save(store, _filled(3.0), "s3")  # would evict s2 and pool its file...
         save(store, _filled(4.0), "s4")  # ...which this save would reuse and overwrite
         kept = store.list_checkpoints()
@@ -393,6 +395,8 @@ def test_a_load_in_another_process_holds_its_checkpoint_until_it_ends_or_dies(sh
             assert child.poll() is None, "the loading process failed before it read"
             assert time.monotonic() < deadline
             time.sleep(0.01)
+        with pytest.raises(CheckpointInUseError, match=rf"'s2' .* is being loaded \(pid {child.pid} on"):
+            store.delete("s2")  # would pool s2's file for the next save to overwrite
         save(store, _filled(3.0), "s3")
         save(store, _filled(4.0), "s4")  # would overwrite s2's pooled file if s3 had evicted s2
         kept = store.list_checkpoints()
@@ -409,5 +413,5 @@ def test_a_load_in_another_process_holds_its_checkpoint_until_it_ends_or_dies(sh
     if ending == "finishes":
         assert torch.equal(torch.load(shm_dir / "loaded.pt"), _filled(2.0)["w"])
     assert kept == ["s2", "s4"]  # s2 was held while the other process read it
-    save(store, _filled(5.0), "s5")  # the hold ended with the load, or with the process
-    assert store.list_checkpoints() == ["s5"]
+    store.delete("s2")  # the hold ended with the load, or with the process
+    assert store.list_checkpoints() == ["s4"]
