@@ -325,7 +325,8 @@ class MemStore(PersistingStore, ReplicatingStore):
     def open_checkpoint(self, checkpoint_id: str) -> CheckpointSource:
         """Where committed checkpoint ``checkpoint_id`` can be read from; FileNotFoundError naming the
         checkpoints that exist (in memory and persisted) if it is in no tier. A local copy whose commit
-        marker is corrupt is passed over for another tier's copy, else its ValueError is raised."""
+        marker is corrupt is passed over for another tier's copy, else its ValueError is raised; so is
+        the error that keeps a persisted-only copy from being read (a corrupt manifest)."""
         self.check_open()
         cid = validate_name(checkpoint_id)
         try:
@@ -345,7 +346,10 @@ class MemStore(PersistingStore, ReplicatingStore):
                 names = [r.checkpoint_id for r in remote_committed(self.target)]
                 persisted = f"; persisted in {self.target.url}: {names or 'none'}"
             except Exception as e:  # noqa: BLE001 - say why the persistent tier was not searched
-                persisted = f"; persistent storage {self.target.url} unreachable: {e}"
+                names, persisted = [], f"; persistent storage {self.target.url} unreachable: {e}"
+            if cid in names:  # persisted, but its copy cannot be read: raise why (a corrupt manifest)
+                remote = RemoteCheckpoint(self.target, cid, self.io_threads)
+                return CheckpointSource(cid, None, lambda: remote)  # readable now: it was a passing failure
         elsewhere = " or in the memory of the job's other nodes" if self._control() else ""
         raise FileNotFoundError(
             f"checkpoint {cid!r} not found in store {self.layout.job_dir}{elsewhere}; "
