@@ -5,9 +5,11 @@ Megatron passes a directory to ``dist_checkpointing.save``/``load``; it writes i
 with ``MemStoreSaveStrategy`` are in the strategy's store instead, under a checkpoint id:
 
 * **save:** the id is the directory's base name (``/ckpts/run1/iter_0000100`` -> ``iter_0000100``),
-  validated like every store id (letters, digits, ``.``, ``_``, ``-``; no path). At commit the coordinator
-  writes ``dcp_memstore.json`` into the directory: format, backend, store root, job id, checkpoint id,
-  and the checksum of Megatron's ``common.pt`` as committed with the tensors.
+  validated like every store id (letters, digits, ``.``, ``_``, ``-``; no path). Just before the commit
+  the coordinator writes ``dcp_memstore.json`` into the directory (format, backend, store root, job id,
+  checkpoint id, and the checksum of Megatron's ``common.pt`` as committed with the tensors) and
+  Megatron's ``metadata.json``, so every checkpoint the store commits can be loaded through Megatron,
+  also when the job dies before Megatron writes ``metadata.json`` itself.
 * **load:** the id named by ``dcp_memstore.json`` (so a renamed directory still finds its checkpoint), else
   the base name; a pointer naming another job than the load strategy's store is refused, and so is a
   ``common.pt`` that changed since the commit (Megatron writes it before the strategy runs, so a later
@@ -21,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.dist_checkpointing.core import CheckpointingConfig, CheckpointingException, save_config
 
 from dcp_memstore.memstore import MemStore
 from dcp_memstore.store.checksum import checksum_bytes
@@ -53,6 +55,12 @@ def checkpoint_id_for(checkpoint_dir: str | os.PathLike) -> str:
             f"checkpoint_dir {path!r}: its base name {name!r} is the checkpoint's id in the store and is "
             f"not valid ({e}). Name the directory like 'iter_0000100'."
         ) from None
+
+
+def write_config(checkpoint_dir: str | os.PathLike) -> None:
+    """Write Megatron's ``metadata.json`` for a checkpoint saved with ``MemStoreSaveStrategy``: the same
+    config Megatron writes once the save's finalize step has returned."""
+    save_config(CheckpointingConfig(BACKEND, VERSION), os.fspath(checkpoint_dir))
 
 
 def write_pointer(checkpoint_dir: str | os.PathLike, store: MemStore, checkpoint_id: str) -> None:

@@ -14,10 +14,12 @@ them as follows.
    checksummed and their files renamed into the checkpoint. The write results go to a small msgpack
    record in the checkpoint's directory in the store, since the worker may be another process.
 3. The finalize function (the trainer, every rank, after every rank's worker is done): the results are
-   gathered; the coordinator writes the manifest and the COMMITTED marker (the checkpoint becomes visible
-   in the store), evicts beyond ``keep_in_memory``, and writes ``dcp_memstore.json`` into
-   ``checkpoint_dir``. Megatron then writes ``metadata.json``, so a directory with ``metadata.json`` always
-   names a committed checkpoint.
+   gathered; the coordinator writes ``metadata.json`` (the config Megatron writes again afterwards) and
+   ``dcp_memstore.json`` into ``checkpoint_dir``, then the manifest and the COMMITTED marker (the
+   checkpoint becomes visible in the store), and evicts beyond ``keep_in_memory``. So every checkpoint
+   the store lists can be loaded through Megatron, even if the job dies before Megatron's own write of
+   ``metadata.json``; a directory whose save failed before the commit may hold both files, and a load
+   of it says the checkpoint is not in the store.
 
 ``checkpoint_dir`` maps to the checkpoint id by its base name (see ``checkpoint_dir.py``).
 """
@@ -46,7 +48,13 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from dcp_memstore.dcp.writer import MemoryStorageWriter
-from dcp_memstore.megatron.checkpoint_dir import BACKEND, VERSION, checkpoint_id_for, write_pointer
+from dcp_memstore.megatron.checkpoint_dir import (
+    BACKEND,
+    VERSION,
+    checkpoint_id_for,
+    write_config,
+    write_pointer,
+)
 from dcp_memstore.memstore import MemStore
 from dcp_memstore.store import liveness
 from dcp_memstore.store.layout import StoreLayout
@@ -134,8 +142,10 @@ class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
             return [_decode_result(r) for r in rec["results"]]
 
         def commit(results: list[list[WriteResult]]) -> None:
-            writer.finish(metadata, results)
+            # the directory's files first: a checkpoint the store commits is always loadable by Megatron
+            write_config(checkpoint_dir)
             write_pointer(checkpoint_dir, self.store, cid)
+            writer.finish(metadata, results)
 
         try:
             dw.all_reduce("write", my_results, commit)
