@@ -11,10 +11,13 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from dcp_memstore import MemoryStorageReader, MemoryStorageWriter, MemStore
 from dcp_memstore.memstore import DEFAULT_ROOT, resolve_root
+from dcp_memstore.persist.persister import local_rank_and_size
+from dcp_memstore.replication.service import job_node_info
 from dcp_memstore.store import catalog
 from dcp_memstore.store.layout import COMMITTED, INPROGRESS, shard_name
 from dcp_memstore.store.records import write_record
@@ -109,6 +112,21 @@ def test_a_bad_environment_variable_is_named(shm_dir, monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     monkeypatch.setenv("DCP_MEMSTORE_REPLICAS", "")  # empty: unset, as for the other variables
     assert MemStore(root=shm_dir, job_id="j").replicas == 1
+
+
+def test_empty_torchrun_variables_count_as_unset_under_a_process_group(shm_dir, monkeypatch, tmp_path):
+    """An empty LOCAL_WORLD_SIZE or LOCAL_RANK counts as unset, as every variable the store reads, also where
+    a process group exists: the job is one node of the group's size."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "")
+    monkeypatch.setenv("LOCAL_RANK", "")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        assert job_node_info().multi_node is False
+        assert local_rank_and_size() == (0, 1)
+        with MemStore(root=shm_dir, job_id="j", persist_to=tmp_path / "persisted") as s:
+            assert s.replication() is None
+    finally:
+        dist.destroy_process_group()
 
 
 def test_defaults(shm_dir):

@@ -50,7 +50,7 @@ BACKOFF_MAX_S = 30.0
 def local_rank_and_size() -> tuple[int, int]:
     """This process's rank among the processes of its node, and their number (torchrun's LOCAL_RANK and
     LOCAL_WORLD_SIZE; else the process group, taken as one node; else 0 of 1)."""
-    if "LOCAL_RANK" in os.environ and "LOCAL_WORLD_SIZE" in os.environ:
+    if os.environ.get("LOCAL_RANK") and os.environ.get("LOCAL_WORLD_SIZE"):  # empty counts as unset
         return int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     if dist_active():
         return dist.get_rank(), dist.get_world_size()

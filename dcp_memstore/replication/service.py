@@ -33,7 +33,12 @@ def job_node_info() -> NodeInfo | None:
     if not (dist.is_available() and dist.is_initialized()):
         return None
     env = dict(os.environ, RANK=str(dist.get_rank()), WORLD_SIZE=str(dist.get_world_size()))
-    if "LOCAL_WORLD_SIZE" not in os.environ or int(env["LOCAL_WORLD_SIZE"]) > dist.get_world_size():
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")  # empty counts as unset
+    try:
+        more_than_the_group = int(local) > dist.get_world_size()
+    except ValueError:  # empty, or not an int (NodeInfo.from_env names the variable)
+        more_than_the_group = False
+    if not local or more_than_the_group:
         env.update(LOCAL_WORLD_SIZE=env["WORLD_SIZE"], LOCAL_RANK=env["RANK"], GROUP_RANK="0")
     return NodeInfo.from_env(env)
 

@@ -137,7 +137,7 @@ class Reservation:
                 return
             needed = sum(missing)
             free = free_bytes(self.layout.job_dir)
-            ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # the others may reserve as much now
+            ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)  # the others may reserve as much now
             if needed * ranks_here > free:
                 log.debug("no reservation of %d bytes (x %d ranks): %d bytes free", needed, ranks_here, free)
                 return
