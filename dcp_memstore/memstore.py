@@ -22,7 +22,7 @@ from dcp_memstore.persist.progress import PERSIST_HOLD, Progress, is_owed
 from dcp_memstore.persist.publish import remote_committed
 from dcp_memstore.persist.remote_read import RemoteCheckpoint
 from dcp_memstore.persist.target import PersistTarget
-from dcp_memstore.persisting import PersistingStore
+from dcp_memstore.persisting import PersistingStore, optional_timeout
 from dcp_memstore.replicating import ReplicatingStore
 from dcp_memstore.replication.auth import check_secret
 from dcp_memstore.replication.cluster_read import ClusterCheckpoint
@@ -509,6 +509,7 @@ class MemStore(PersistingStore, ReplicatingStore):
         ``timeout`` more for the persister to stop; uploads not finished resume when the job starts
         again. Committed checkpoints stay on tmpfs. Leaving a ``with`` block on an exception does not
         wait for uploads."""
+        timeout = optional_timeout("timeout", timeout)  # before anything is stopped: a bad one closes nothing
         if self._closed:
             return
         stop_reservations(self)  # started by saves through this store

@@ -9,6 +9,7 @@ themselves run in ``persist/persister.py``.
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 from dcp_memstore.errors import PersistError
@@ -23,6 +24,17 @@ from dcp_memstore.store.layout import MANIFEST
 from dcp_memstore.store.manifest import Manifest
 
 log = logging.getLogger("dcp_memstore.memstore")
+
+
+def optional_timeout(name: str, value: object) -> float | None:
+    """``value`` as a number of seconds to wait, None for no limit (also for ``math.inf``); a ValueError
+    naming the argument for anything else: a str, a bool, a negative number, NaN (with which a wait would
+    never time out)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"{name} must be None (no limit) or a number of seconds >= 0, got {value!r}")
+    return None if math.isinf(value) else float(value)
 
 
 class PersistingStore:
@@ -96,7 +108,8 @@ class PersistingStore:
     def wait_persisted(self, checkpoint_id: str, timeout: float | None = None) -> CheckpointStatus:
         """Block until ``checkpoint_id`` is persisted. Raises PersistError if its upload failed for good,
         ValueError if nothing will upload it (not requested: call ``persist(id)``), TimeoutError after
-        ``timeout`` seconds."""
+        ``timeout`` seconds (None: no limit)."""
+        timeout = optional_timeout("timeout", timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             st = self.status(checkpoint_id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -412,6 +413,26 @@ def test_bad_persist_configuration_is_refused(shm_dir):
         with pytest.raises(ValueError, match="no persist_to"):
             plain.persist("a")
         assert plain.status("a").persist == "off"
+
+
+@pytest.mark.parametrize("bad", ["5", True, -1, float("nan")])
+def test_a_bad_timeout_is_refused_naming_it_before_anything_is_stopped(shm_dir, bucket_dir, bad):
+    """wait_persisted and close refuse a timeout that is no number of seconds >= 0: NaN would wait forever,
+    a str failed deep inside with a TypeError, and a close that failed half way left the store open."""
+    store = _pstore(shm_dir, bucket_dir, persist_on_close=False)
+    save(store, _state(), "a")
+    with pytest.raises(
+        ValueError, match=rf"timeout must be None \(no limit\) or a number of seconds >= 0, got {bad!r}"
+    ):
+        store.wait_persisted("a", bad)
+    with pytest.raises(ValueError, match="timeout must be None"):
+        store.close(bad)
+    assert store.list_checkpoints() == ["a"]  # still open: nothing was stopped
+    store.persist("a")
+    store.close(math.inf)  # no limit, like None
+    store.close()  # closed cleanly: a second close is a no-op
+    with MemStore(root=shm_dir, job_id="job", persist_to=str(bucket_dir)) as again:
+        assert again.status("a").persisted
 
 
 def test_persist_of_an_unknown_checkpoint_names_those_that_exist(shm_dir, bucket_dir):
