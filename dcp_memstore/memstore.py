@@ -52,7 +52,11 @@ ENV_REPLICAS = "DCP_MEMSTORE_REPLICAS"
 def resolve_root(root: str | os.PathLike | None) -> Path:
     """``root``, else ``$DCP_MEMSTORE_ROOT``, else /dev/shm/dcp_memstore. An empty value counts as unset, as
     for the job id: an empty string is no place for a store (it would be the current directory)."""
-    given = os.fspath(root) if root is not None else ""
+    given = "" if root is None else os.fspath(root) if isinstance(root, str | os.PathLike) else None
+    if not isinstance(given, str):  # an int, bytes, a path of bytes: Path() would fail saying nothing of root
+        raise TypeError(
+            f"root must be a directory path (a str or os.PathLike), got {type(root).__name__}: {root!r}"
+        )
     return Path(given or os.environ.get(ENV_ROOT) or DEFAULT_ROOT).expanduser()
 
 
@@ -228,7 +232,15 @@ class MemStore(PersistingStore, ReplicatingStore):
                 f"MemStore root {root} exists and is not a directory; pass a directory on tmpfs"
             )
         self.layout = StoreLayout(root.resolve() if root.exists() else root.absolute(), self.job_id)
-        self.layout.ensure()
+        try:
+            self.layout.ensure()
+        except OSError as e:  # the same type (PermissionError, NotADirectoryError, ...), saying what to do
+            raise type(e)(
+                e.errno,
+                f"cannot create the directories of job {self.job_id!r} under MemStore root {root}: "
+                f"{e.strerror} ({e.filename}); pass a writable directory on tmpfs as root "
+                f"(or ${ENV_ROOT})",
+            ) from e
         if not space.is_memory_backed(self.layout.root):
             warnings.warn(
                 f"MemStore root {self.layout.root} is not on a memory file system (tmpfs); "

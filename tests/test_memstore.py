@@ -65,6 +65,29 @@ def test_root_that_is_a_file_is_refused(shm_dir):
         MemStore(root=f, job_id="j")
 
 
+@pytest.mark.parametrize("root", [5, b"/dev/shm/x", 1.5])
+def test_a_root_that_is_no_path_is_a_typeerror_naming_root(root):
+    with pytest.raises(TypeError, match=r"root must be a directory path \(a str or os.PathLike\), got "):
+        MemStore(root=root, job_id="j")
+
+
+def test_a_root_where_no_directory_can_be_made_says_so_and_what_to_do(shm_dir):
+    """A root below a file, or a job id whose directory is a file: the error names the root and the job,
+    keeps its type (NotADirectoryError), and nothing is created."""
+    (shm_dir / "file").write_text("x")
+    with pytest.raises(NotADirectoryError) as ei:
+        MemStore(root=shm_dir / "file" / "sub", job_id="j")
+    assert f"cannot create the directories of job 'j' under MemStore root {shm_dir / 'file' / 'sub'}" in str(
+        ei.value
+    )
+    assert "pass a writable directory on tmpfs as root (or $DCP_MEMSTORE_ROOT)" in str(ei.value)
+    (shm_dir / "root").mkdir()
+    (shm_dir / "root" / "taken").write_text("x")
+    with pytest.raises(NotADirectoryError, match="cannot create the directories of job 'taken'"):
+        MemStore(root=shm_dir / "root", job_id="taken")
+    assert sorted(p.name for p in shm_dir.rglob("*")) == ["file", "root", "taken"]
+
+
 def test_root_on_tmpfs_gives_no_warning_and_creates_the_layout(shm_dir):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
