@@ -212,8 +212,6 @@ class MemStore(PersistingStore, ReplicatingStore):
         self.target = PersistTarget(persist_to, storage_options) if persist_to is not None else None
         if self.target is None and (persist_every is not None or storage_options is not None):
             raise ValueError("persist_every and storage_options need persist_to (a URL or directory)")
-        if self.target is not None:
-            self.target.check_writable()
         if replicas is None:
             replicas = _env_int(ENV_REPLICAS, 1, "replicas per node, 0: off")
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
@@ -231,6 +229,9 @@ class MemStore(PersistingStore, ReplicatingStore):
             raise NotADirectoryError(
                 f"MemStore root {root} exists and is not a directory; pass a directory on tmpfs"
             )
+        # last of the checks: the probe writes (and removes) an object, and may make the directory
+        if self.target is not None:
+            self.target.check_writable()
         self.layout = StoreLayout(root.resolve() if root.exists() else root.absolute(), self.job_id)
         try:
             self.layout.ensure()

@@ -435,6 +435,26 @@ def test_a_bad_timeout_is_refused_naming_it_before_anything_is_stopped(shm_dir, 
         assert again.status("a").persisted
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"job_id": "../x"}, "invalid job id"),
+        ({"replicas": -1}, "replicas must be"),
+        ({"transport": "udp"}, "transport must be"),
+        ({"replication_timeout_s": 0}, "replication_timeout_s must be"),
+        ({"replication_secret": "short"}, "replication secret"),
+    ],
+)
+def test_other_bad_arguments_are_refused_before_persist_to_is_probed(shm_dir, tmp_path, kwargs, error):
+    """The write probe of persist_to makes its directory (and may wait on a slow bucket): an argument
+    refused after it left a new directory behind."""
+    target = tmp_path / "new-target"
+    with pytest.raises(ValueError, match=error):
+        MemStore(**{"root": shm_dir / "root", "job_id": "job", "persist_to": str(target), **kwargs})
+    assert not target.exists()
+    assert not (shm_dir / "root").exists()
+
+
 def test_persist_of_an_unknown_checkpoint_names_those_that_exist(shm_dir, bucket_dir):
     with _pstore(shm_dir, bucket_dir, persist_on_close=False) as store:
         save(store, _state(), "a")
