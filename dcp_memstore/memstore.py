@@ -135,6 +135,14 @@ def _positive_seconds(name: str, value: object) -> float:
     return float(value)
 
 
+def _flag(name: str, value: object) -> bool:
+    """``value`` if it is True or False (or the int 1 or 0); a ValueError naming the option for anything
+    else: ``bool("false")`` is True, so a str from a config or command line would turn it on silently."""
+    if isinstance(value, int) and value in (0, 1):  # bool is an int
+        return bool(value)
+    raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
 class MemStore(PersistingStore, ReplicatingStore):
     """A job's checkpoints in node-local memory (tmpfs).
 
@@ -202,13 +210,13 @@ class MemStore(PersistingStore, ReplicatingStore):
         self.io_threads = _positive_int(
             "io_threads", io_threads if io_threads is not None else _default_io_threads()
         )
-        self.verify_checksums = bool(verify_checksums)
+        self.verify_checksums = _flag("verify_checksums", verify_checksums)
         self.stage_timeout_s = _positive_seconds("stage_timeout_s", stage_timeout_s)
         self.persist_every = None if persist_every is None else _positive_int("persist_every", persist_every)
         if persist_backlog not in ("error", "wait"):
             raise ValueError(f"persist_backlog must be 'error' or 'wait', got {persist_backlog!r}")
         self.persist_backlog = persist_backlog
-        self.persist_on_close = bool(persist_on_close)
+        self.persist_on_close = _flag("persist_on_close", persist_on_close)
         self.target = PersistTarget(persist_to, storage_options) if persist_to is not None else None
         if self.target is None and (persist_every is not None or storage_options is not None):
             raise ValueError("persist_every and storage_options need persist_to (a URL or directory)")
@@ -221,6 +229,10 @@ class MemStore(PersistingStore, ReplicatingStore):
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {transport!r}")
         self.transport = transport.lower()
         self._secret = None if replication_secret is None else check_secret(replication_secret)
+        if replication_bind is not None and (not isinstance(replication_bind, str) or not replication_bind):
+            raise ValueError(
+                f"replication_bind must be a host name or IP address (a str), got {replication_bind!r}"
+            )
         self.replication_bind = replication_bind
         self.replication_timeout_s = _positive_seconds("replication_timeout_s", replication_timeout_s)
         root = resolve_root(root)
