@@ -24,7 +24,7 @@ def validate_name(value: object, what: str = "checkpoint id") -> str:
     elif len(value) > MAX_ID_LENGTH:
         reason = f"it is {len(value)} characters long"
     elif "/" in value or "\\" in value or os.sep in value:
-        reason = "it contains a path separator (a checkpoint id is a name inside the store, not a path)"
+        reason = f"it contains a path separator (a {what} is a name inside the store, not a path)"
     elif ".." in value:
         reason = "it contains '..'"
     elif value[0] in "._-":

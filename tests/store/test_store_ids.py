@@ -60,8 +60,10 @@ def test_non_strings_are_rejected_with_their_type(value):
 
 
 def test_what_names_the_kind_of_name_in_the_error():
-    with pytest.raises(ValueError, match="invalid job id"):
+    with pytest.raises(ValueError, match="invalid job id") as ei:
         validate_name("a/b", "job id")
+    assert "(a job id is a name inside the store, not a path)" in str(ei.value)
+    assert "checkpoint id" not in str(ei.value)
 
 
 @pytest.mark.parametrize(("name", "valid"), [("step-100", True), ("../step", False), ("", False), (7, False)])
