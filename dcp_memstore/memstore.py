@@ -244,7 +244,9 @@ class MemStore(PersistingStore, ReplicatingStore):
         # last of the checks: the probe writes (and removes) an object, and may make the directory
         if self.target is not None:
             self.target.check_writable()
-        self.layout = StoreLayout(root.resolve() if root.exists() else root.absolute(), self.job_id)
+        # resolved also where it does not exist yet: every store of the job, the first included, has the
+        # same job_dir (saves are ordered and told apart per job_dir), whatever '..' or symlinks root has
+        self.layout = StoreLayout(root.resolve(), self.job_id)
         try:
             self.layout.ensure()
         except OSError as e:  # the same type (PermissionError, NotADirectoryError, ...), saying what to do

@@ -105,6 +105,18 @@ def test_root_on_tmpfs_gives_no_warning_and_creates_the_layout(shm_dir):
     assert s.latest_checkpoint() is None
 
 
+def test_a_new_root_is_resolved_like_an_existing_one(shm_dir):
+    """A root given with '..' or through a symlink names the same store as its resolved path, also when
+    the store makes it: saves are ordered per store directory, so two stores of one job must agree."""
+    (shm_dir / "real").mkdir()
+    (shm_dir / "link").symlink_to(shm_dir / "real")
+    first = MemStore(root=shm_dir / "link" / "x" / ".." / "store", job_id="j")
+    again = MemStore(root=shm_dir / "link" / "store", job_id="j")
+    assert first.root == again.root == shm_dir / "real" / "store"
+    assert first.layout.job_dir == again.layout.job_dir
+    assert not (shm_dir / "real" / "x").exists()
+
+
 def test_root_on_disk_warns(disk_dir):
     with pytest.warns(UserWarning, match="not on a memory file system") as rec:
         MemStore(root=disk_dir / "store", job_id="j")
