@@ -69,9 +69,19 @@ def _show(args: argparse.Namespace) -> int:
 
 def _delete(args: argparse.Namespace) -> int:
     layout = _layout(args)
-    # one io thread: the command copies nothing, and the delete then keeps one pooled file per rank
-    with MemStore(root=layout.root, job_id=layout.job_id, io_threads=1) as store:
-        store.delete(args.checkpoint_id)
+    try:
+        # one io thread: the command copies nothing, and the delete then keeps one pooled file per rank
+        with MemStore(root=layout.root, job_id=layout.job_id, io_threads=1) as store:
+            store.delete(args.checkpoint_id)
+    except OSError as e:
+        if isinstance(e, FileNotFoundError):  # the checkpoint is not there: its message names those that are
+            raise
+        why = f"{e.strerror} ({e.filename})" if e.filename else e.strerror or str(e)
+        raise type(e)(
+            e.errno,
+            f"cannot delete {args.checkpoint_id!r} from store {layout.job_dir}: {why}; deleting needs write "
+            "access to the store (a read-only mount, or another user's store?)",
+        ) from e
     print(f"deleted {args.checkpoint_id}")
     return 0
 
@@ -95,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         return args.fn(args)
-    except (FileNotFoundError, ValueError, CheckpointInUseError) as e:
+    except (OSError, ValueError, CheckpointInUseError) as e:  # OSError: not found, read-only, ...
         print(f"dcp-memstore: {e}", file=sys.stderr)
         return 2
 

@@ -109,6 +109,26 @@ def test_list_and_show_change_nothing_warn_about_nothing_and_work_read_only(root
     assert sorted(str(p) for p in Path(root).rglob("*")) == before
 
 
+def test_delete_on_a_read_only_mount_is_a_clear_error_that_changes_nothing(root, capsys, tmp_path):
+    store = MemStore(root=root, job_id="j")
+    dcp.save({"w": torch.ones(3)}, checkpoint_id="a", storage_writer=MemoryStorageWriter(store), no_dist=True)
+    store.close()
+    before = sorted(str(p) for p in Path(root).rglob("*"))
+    view = tmp_path / "ro"
+    view.mkdir()
+    subprocess.run(["mount", "--bind", root, str(view)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(view)], check=True)
+        code, out, err = _cli(capsys, "delete", "a", "--root", str(view), "--job-id", "j")
+    finally:
+        subprocess.run(["umount", str(view)], check=True)
+    assert (code, out) == (2, "")
+    assert err.startswith(f"dcp-memstore: [Errno 30] cannot delete 'a' from store {view / 'j'}: ")
+    assert "Read-only file system (" in err and "deleting needs write access to the store" in err
+    assert err.count("Errno") == 1
+    assert sorted(str(p) for p in Path(root).rglob("*")) == before
+
+
 def _tree_bytes(path: str) -> int:
     """Bytes the files under ``path`` take in memory (what du counts)."""
     return sum(p.stat().st_blocks * 512 for p in Path(path).rglob("*") if p.is_file())
