@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -84,6 +86,19 @@ def test_list_and_show_say_which_checkpoints_are_held(root, capsys, tmp_path):
     assert code == 0 and "held in memory for: persist" in out
 
 
+@contextlib.contextmanager
+def _read_only_view(root: str, tmp_path: Path) -> Iterator[Path]:
+    """``root`` seen through a read-only bind mount (needs root), unmounted on leaving."""
+    view = tmp_path / "ro"
+    view.mkdir()
+    subprocess.run(["mount", "--bind", root, str(view)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(view)], check=True)
+        yield view
+    finally:
+        subprocess.run(["umount", str(view)], check=True)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="bind mounts need root")
 def test_list_and_show_change_nothing_warn_about_nothing_and_work_read_only(root, capsys, tmp_path):
     blocked = tmp_path / "file"
@@ -93,35 +108,23 @@ def test_list_and_show_change_nothing_warn_about_nothing_and_work_read_only(root
     dcp.save({"w": torch.ones(3)}, checkpoint_id="a", storage_writer=MemoryStorageWriter(store), no_dist=True)
     store.close()
     before = sorted(str(p) for p in Path(root).rglob("*"))
-    view = tmp_path / "ro"
-    view.mkdir()
-    subprocess.run(["mount", "--bind", root, str(view)], check=True)
-    try:
-        subprocess.run(["mount", "-o", "remount,bind,ro", str(view)], check=True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # e.g. "owed to persistent storage, but no persist_to"
-            code, out, err = _cli(capsys, "list", "--root", str(view), "--job-id", "j")
-            assert (code, err) == (0, "") and "held for: persist" in out
-            code, out, err = _cli(capsys, "show", "a", "--root", str(view), "--job-id", "j")
-            assert (code, err) == (0, "") and "held in memory for: persist" in out
-    finally:
-        subprocess.run(["umount", str(view)], check=True)
+    with _read_only_view(root, tmp_path) as view, warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. "owed to persistent storage, but no persist_to"
+        code, out, err = _cli(capsys, "list", "--root", str(view), "--job-id", "j")
+        assert (code, err) == (0, "") and "held for: persist" in out
+        code, out, err = _cli(capsys, "show", "a", "--root", str(view), "--job-id", "j")
+        assert (code, err) == (0, "") and "held in memory for: persist" in out
     assert sorted(str(p) for p in Path(root).rglob("*")) == before
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="bind mounts need root")
 def test_delete_on_a_read_only_mount_is_a_clear_error_that_changes_nothing(root, capsys, tmp_path):
     store = MemStore(root=root, job_id="j")
     dcp.save({"w": torch.ones(3)}, checkpoint_id="a", storage_writer=MemoryStorageWriter(store), no_dist=True)
     store.close()
     before = sorted(str(p) for p in Path(root).rglob("*"))
-    view = tmp_path / "ro"
-    view.mkdir()
-    subprocess.run(["mount", "--bind", root, str(view)], check=True)
-    try:
-        subprocess.run(["mount", "-o", "remount,bind,ro", str(view)], check=True)
+    with _read_only_view(root, tmp_path) as view:
         code, out, err = _cli(capsys, "delete", "a", "--root", str(view), "--job-id", "j")
-    finally:
-        subprocess.run(["umount", str(view)], check=True)
     assert (code, out) == (2, "")
     assert err.startswith(f"dcp-memstore: [Errno 30] cannot delete 'a' from store {view / 'j'}: ")
     assert "Read-only file system (" in err and "deleting needs write access to the store" in err
