@@ -24,14 +24,7 @@ from megatron.core import dist_checkpointing as mdc  # noqa: E402
 
 from dcp_memstore import MemStore  # noqa: E402
 from dcp_memstore.megatron import MemStoreLoadStrategy, MemStoreSaveStrategy  # noqa: E402
-from tests.megatron.test_megatron_strategies import (  # noqa: E402
-    common_state,
-    expected_loaded,
-    local_values,
-    rank_object,
-    sharded,
-    template,
-)
+from tests.megatron import test_megatron_strategies as megatron_state  # noqa: E402
 from tests.multiproc.mp_harness import JOB_ID, MultiProc, assert_bit_equal  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -47,10 +40,8 @@ def killed_after_commit_job(rank: int, world: int, root: str, ckpts: str) -> Non
     store = MemStore(root, JOB_ID, keep_in_memory=2, io_threads=2)
     strategy = MemStoreSaveStrategy(store)
     for seed, name in ((1, KEPT), (2, KILLED)):
-        state = {
-            **sharded(local_values(rank, seed), rank_object(rank, seed), rank, world),
-            **common_state(seed),
-        }
+        values, obj = megatron_state.local_values(rank, seed), megatron_state.rank_object(rank, seed)
+        state = {**megatron_state.sharded(values, obj, rank, world), **megatron_state.common_state(seed)}
         request = mdc.save(state, str(Path(ckpts) / name), sharded_strategy=strategy, async_sharded_save=True)
         if name == KILLED:
             assert len(request.finalize_fns) == 2  # the strategy's commit, then Megatron's metadata.json
@@ -63,7 +54,9 @@ def resume_job(rank: int, world: int, root: str, ckpts: str) -> dict[str, Any]:
     with MemStore(root, JOB_ID, keep_in_memory=2, io_threads=2) as store:
         latest = store.latest_checkpoint()
         loaded = mdc.load(
-            template(rank, world), str(Path(ckpts) / latest), sharded_strategy=MemStoreLoadStrategy(store)
+            megatron_state.template(rank, world),
+            str(Path(ckpts) / latest),
+            sharded_strategy=MemStoreLoadStrategy(store),
         )
         return {"latest": latest, "loaded": loaded}
 
@@ -82,4 +75,6 @@ def test_a_job_killed_before_megatron_writes_metadata_resumes_from_its_newest_ch
         m.close()
     for rank, rep in enumerate(resumed):
         assert rep["latest"] == KILLED
-        assert_bit_equal(rep["loaded"], expected_loaded(rank, 2), f"rank {rank} resumed from {KILLED}")
+        assert_bit_equal(
+            rep["loaded"], megatron_state.expected_loaded(rank, 2), f"rank {rank} resumed from {KILLED}"
+        )
