@@ -33,7 +33,7 @@ from dcp_memstore.store.faults import crash_point
 from dcp_memstore.store.layout import shard_name, slot_name
 from dcp_memstore.store.mapping import MAPPINGS, MappedFile, cuda_index
 from dcp_memstore.store.packing import pack
-from dcp_memstore.store.pool import FilePool
+from dcp_memstore.store.pool import FILE_ALIGN, FilePool, round_up
 from dcp_memstore.store.reserve import Reservation
 from dcp_memstore.store.space import space_errors
 from dcp_memstore.store.threads import run_parallel
@@ -88,11 +88,13 @@ class Stager:
             sizes = [t.numel() * t.element_size() for t in originals]
             placements, file_sizes = pack(sizes, self.store.io_threads)
             pool = FilePool(self.store.layout, rank)
-            self.store.check_space(sum(file_sizes), rank)
+            # the files as allocated (whole pages), and the page of the slot's owner record
+            needed = sum(round_up(size) for size in file_sizes) + FILE_ALIGN
+            self.store.check_space(needed, rank)
             ticket = self.order.issue()
             slot = self._slot_for(rank, ticket)
             try:
-                with space_errors(self.store.layout.root, sum(file_sizes), "while staging"):
+                with space_errors(self.store.layout.root, needed, "while staging"):
                     slot.mkdir(parents=True)  # a tmpfs full before the files were allocated
                     claim_owner(self.store.layout, slot)
                 claimed = run_parallel(  # a new file's page faults are taken in parallel

@@ -471,6 +471,29 @@ def test_space_check_counts_alignment_and_manifest_not_just_tensor_bytes(tmpfs_s
     assert_tree_equal(many, load_fresh(tmpfs_store, many, "many"))
 
 
+def test_async_save_space_check_counts_whole_pages_of_the_staged_files(tmpfs_store):
+    """Staging allocates each shard file in whole pages and writes its slot's owner record: an async save
+    whose tensor bytes fit but whose files do not must fail at its space check, naming the store root and
+    the bytes the files take, before it allocates anything (not half-way, with one file's numbers)."""
+    sd = {"a": torch.ones((MiB + 64) // 4), "b": torch.ones((MiB + 64) // 4)}  # one file each, 2 MiB + 128
+    filler = tmpfs_store.root / "filler"
+    fd = os.open(filler, os.O_CREAT | os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, free_bytes(tmpfs_store.root) - 2 * MiB - 4096)
+    finally:
+        os.close(fd)
+    before = store_tree(tmpfs_store)
+    with pytest.raises(InsufficientSpaceError) as ei:
+        async_save(tmpfs_store, sd, "c")
+    assert ei.value.root == str(tmpfs_store.root)
+    assert ei.value.needed >= 2 * (MiB + 4096) + 4096  # two files of whole pages, and the slot's record
+    assert ei.value.free == 2 * MiB + 4096
+    assert store_tree(tmpfs_store) == before  # no file allocated, not even into the pool
+    filler.unlink()
+    async_save(tmpfs_store, sd, "c").result()
+    assert_tree_equal(sd, load_fresh(tmpfs_store, sd, "c"))
+
+
 class _FailAfterBegin(DefaultSavePlanner):
     """Fails the save after the writer began the checkpoint's directory, in DCP's planner: the writer is
     not told, as a coordinator is not told when another rank fails."""
