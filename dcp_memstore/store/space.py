@@ -89,7 +89,8 @@ def check_space(path: Path, needed: int, reusable: int = 0) -> None:
     already-allocated files that the write will reuse."""
     free = free_bytes(path)
     if needed > free + reusable:
-        detail = f"{reusable} more bytes reusable from evicted checkpoints" if reusable else ""
+        # counted in free already: not more room on top of it
+        detail = f"including {reusable} bytes of pooled files of evicted checkpoints" if reusable else ""
         raise InsufficientSpaceError(str(path), needed, free + reusable, detail)
 
 
