@@ -78,6 +78,7 @@ class Stager:
 
         Tensors whose bytes are not their value (``storable.problem``) are cloned instead, and the write
         refuses them by DCP's name for them. Values that DCP pickles whole are copied by ``rebuild``."""
+        started_at = time.time()  # saves of this process that began before have ended or are running
         with self._lock:
             rank = current_rank()
             self._wait_for_room()
@@ -90,7 +91,9 @@ class Stager:
             pool = FilePool(self.store.layout, rank)
             # the files as allocated (whole pages), and the page of the slot's owner record
             needed = sum(round_up(size) for size in file_sizes) + FILE_ALIGN
-            self.store.check_space(needed, rank)
+            from dcp_memstore.dcp.writer import check_space_reclaiming  # the writer imports this module
+
+            check_space_reclaiming(self.store, needed, rank, started_at)
             ticket = self.order.issue()
             slot = self._slot_for(rank, ticket)
             try:

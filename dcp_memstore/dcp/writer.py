@@ -36,7 +36,7 @@ from dcp_memstore.dcp.rank_write import RankWrite
 from dcp_memstore.dcp.save_order import SaveOrder
 from dcp_memstore.dcp.stager import Stager, current_rank
 from dcp_memstore.dcp.storable import check_plan
-from dcp_memstore.errors import CheckpointExistsError, StagingTimeoutError
+from dcp_memstore.errors import CheckpointExistsError, InsufficientSpaceError, StagingTimeoutError
 from dcp_memstore.memstore import MemStore
 from dcp_memstore.store import catalog
 from dcp_memstore.store.catalog import CommitRecord
@@ -283,7 +283,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             needed += packed_bytes(
                 [_nbytes(it) for it in plan.items if it.tensor_data], self.store.io_threads
             )
-        self.store.check_space(needed, self.rank)
+        check_space_reclaiming(self.store, needed, self.rank, self._save_started, self)
         return plan
 
     @_releases_slot_on_error
@@ -406,10 +406,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
     def _running_elsewhere(self) -> set[str]:
         """The checkpoint ids of this job that other saves of this process began and are still writing (two
         ``dcp.save`` calls in threads, or a save next to a background one): not leftovers to clear."""
-        job = str(self.store.layout.job_dir)
-        with _begun_lock:
-            begun = [(cid, w) for (j, cid), w in _begun.items() if j == job and w is not self]
-        return {cid for cid, w in begun if w._saving_elsewhere()}
+        return running_saves(self.store.layout, self)
 
     def _forget_begun(self) -> None:
         """This writer's save is over (committed, or it starts another): another may take its id."""
@@ -436,6 +433,34 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
     @property
     def _order(self) -> SaveOrder:
         return SaveOrder.of(str(self.store.layout.job_dir))
+
+
+def running_saves(layout: StoreLayout, exclude: MemoryStorageWriter | None = None) -> set[str]:
+    """The checkpoint ids of ``layout``'s job that saves of this process (other than ``exclude``'s) began
+    and are still writing."""
+    job = str(layout.job_dir)
+    with _begun_lock:
+        begun = [(cid, w) for (j, cid), w in _begun.items() if j == job and w is not exclude]
+    return {cid for cid, w in begun if w._saving_elsewhere()}
+
+
+def check_space_reclaiming(
+    store: MemStore, needed: int, rank: int, started: float, exclude: MemoryStorageWriter | None = None
+) -> None:
+    """``store.check_space``; where it fails, first discard what earlier failed saves of this process left
+    (their files go to the pools) and check again. In a job of several ranks a failed save leaves the
+    directory its coordinator began, with the files other ranks wrote into it, and that was cleared only
+    after the next commit: if those files left too little room, no later save could commit. Saves of this
+    process that began before ``started`` have ended (saves run in order); those of ``exclude`` and of
+    other threads still writing are kept."""
+    try:
+        store.check_space(needed, rank)
+    except InsufficientSpaceError:
+        if not catalog.clear_abandoned(
+            store.layout, before=started, running=running_saves(store.layout, exclude)
+        ):
+            raise
+        store.check_space(needed, rank)
 
 
 def _give_back(layout: StoreLayout, seq: int, slot: str | None) -> None:

@@ -494,6 +494,37 @@ def test_async_save_space_check_counts_whole_pages_of_the_staged_files(tmpfs_sto
     assert_tree_equal(sd, load_fresh(tmpfs_store, sd, "c"))
 
 
+@pytest.mark.parametrize("mode", ["save", "async_save"])
+def test_a_failed_save_whose_files_fill_the_tmpfs_does_not_fail_every_later_save(tmpfs_store, mode):
+    """In a job of several ranks a save that fails on one rank (say its objects did not fit) leaves the
+    directory its coordinator began, with the files the other ranks wrote: no rank may remove it while
+    the others might still write. Those files were cleared only after the next commit, so when they
+    left too little room, every later save failed for want of space and none ever committed. Here the
+    directory is made as such a save leaves it (begun by this process, before this save)."""
+    from dcp_memstore.store import catalog
+    from dcp_memstore.store.layout import shard_name
+    from dcp_memstore.store.space import allocate_file
+
+    layout = tmpfs_store.layout
+    left = catalog.begin(layout, "failed")
+    os.close(allocate_file(left / shard_name(0, 0), 3 * MiB))
+    time.sleep(0.01)  # this save starts after the failed one
+    sd = {"a": torch.ones(MiB // 2), "b": torch.ones(MiB // 2)}  # 4 MiB in two files of 2 MiB
+    filler = tmpfs_store.root / "filler"
+    fd = os.open(filler, os.O_CREAT | os.O_RDWR)
+    try:  # room for 2 MiB more: enough only with the failed save's 3 MiB back
+        os.posix_fallocate(fd, 0, free_bytes(tmpfs_store.root) - 2 * MiB)
+    finally:
+        os.close(fd)
+    if mode == "save":
+        save(tmpfs_store, sd, "next")
+    else:
+        async_save(tmpfs_store, sd, "next").result()
+    assert_tree_equal(sd, load_fresh(tmpfs_store, sd, "next"))
+    assert not left.exists()
+    assert tmpfs_store.list_checkpoints() == ["next"]
+
+
 class _FailAfterBegin(DefaultSavePlanner):
     """Fails the save after the writer began the checkpoint's directory, in DCP's planner: the writer is
     not told, as a coordinator is not told when another rank fails."""
