@@ -73,12 +73,15 @@ class Stager:
         self._reservation: Reservation | None = None
         self._reserve_lock = threading.Lock()  # not _lock: stage() holds that while it swaps reservations
 
-    def stage(self, state_dict: dict[str, Any]) -> tuple[dict[str, Any], Ticket]:
+    def stage(
+        self, state_dict: dict[str, Any], check_space: Callable[[int, int], None]
+    ) -> tuple[dict[str, Any], Ticket]:
         """Copy ``state_dict``'s tensors into a new staging slot; return the staged state dict and its ticket.
+        ``check_space(needed, rank)`` raises InsufficientSpaceError, before anything is allocated, if the
+        slot's ``needed`` bytes do not fit (the writer's check, which may first reclaim failed saves' files).
 
         Tensors whose bytes are not their value (``storable.problem``) are cloned instead, and the write
         refuses them by DCP's name for them. Values that DCP pickles whole are copied by ``rebuild``."""
-        started_at = time.time()  # saves of this process that began before have ended or are running
         with self._lock:
             rank = current_rank()
             self._wait_for_room()
@@ -91,9 +94,7 @@ class Stager:
             pool = FilePool(self.store.layout, rank)
             # the files as allocated (whole pages), and the page of the slot's owner record
             needed = sum(round_up(size) for size in file_sizes) + FILE_ALIGN
-            from dcp_memstore.dcp.writer import check_space_reclaiming  # the writer imports this module
-
-            check_space_reclaiming(self.store, needed, rank, started_at)
+            check_space(needed, rank)
             ticket = self.order.issue()
             slot = self._slot_for(rank, ticket)
             try:

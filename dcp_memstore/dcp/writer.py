@@ -152,7 +152,10 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         self._works_in_this_thread()
         try:
             self.store.check_open()
-            staged, ticket = Stager.of(self.store).stage(state_dict)
+            started = time.time()  # saves of this process that began before have ended or are running
+            staged, ticket = Stager.of(self.store).stage(
+                state_dict, lambda needed, rank: check_space_reclaiming(self.store, needed, rank, started)
+            )
         except Exception as e:
             if not other_ranks_wait() or self._pending or self._stage_error is not None:
                 raise
