@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import warnings
+from pathlib import Path
 
 import psutil
 import pytest
@@ -27,10 +28,10 @@ from dcp_memstore import InsufficientSpaceError, MemoryStorageReader, MemoryStor
 from dcp_memstore.dcp.reader import NEEDS_CHECKPOINT_ID
 from dcp_memstore.errors import ChecksumMismatchError, TruncatedShardError
 from dcp_memstore.replication.transport import ReplicationError
-from dcp_memstore.store import liveness
-from dcp_memstore.store.layout import INPROGRESS
+from dcp_memstore.store import catalog, liveness
+from dcp_memstore.store.layout import INPROGRESS, shard_name
 from dcp_memstore.store.records import write_record
-from dcp_memstore.store.space import free_bytes
+from dcp_memstore.store.space import allocate_file, free_bytes
 
 MiB = 1 << 20
 BAD_IDS = ["a/b", "../evil", "..", "", "x" * 200, "/abs/path", "sp ace"]
@@ -450,17 +451,23 @@ def test_a_save_killed_in_another_container_is_cleared_once_its_process_is_gone(
     assert os.listdir(quick_store.layout.procs_dir) == [f"{liveness.own_token(quick_store.layout)}.lock"]
 
 
+def _fill(root: Path, leave: int) -> Path:
+    """Take all of ``root``'s file system but ``leave`` bytes, in one allocated file; its path."""
+    filler = root / "filler"
+    fd = os.open(filler, os.O_CREAT | os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, free_bytes(root) - leave)
+    finally:
+        os.close(fd)
+    return filler
+
+
 def test_space_check_counts_alignment_and_manifest_not_just_tensor_bytes(tmpfs_store):
     """2000 one-element tensors hold 8 KB of values but take 128 KB of aligned slots and about 350 KB of
     manifest: a save whose raw bytes fit but whose files do not must fail before it writes anything."""
     many = {f"t{i}": torch.full((1,), float(i)) for i in range(2000)} | {"w": torch.ones(256 << 10)}
     raw = 2000 * 4 + MiB
-    filler = tmpfs_store.root / "filler"
-    fd = os.open(filler, os.O_CREAT | os.O_RDWR)
-    try:
-        os.posix_fallocate(fd, 0, free_bytes(tmpfs_store.root) - raw - 64 * 1024)
-    finally:
-        os.close(fd)
+    filler = _fill(tmpfs_store.root, leave=raw + 64 * 1024)
     before = store_tree(tmpfs_store)
     with pytest.raises(CheckpointException) as ei:
         save(tmpfs_store, many, "many")
@@ -476,12 +483,7 @@ def test_async_save_space_check_counts_whole_pages_of_the_staged_files(tmpfs_sto
     whose tensor bytes fit but whose files do not must fail at its space check, naming the store root and
     the bytes the files take, before it allocates anything (not half-way, with one file's numbers)."""
     sd = {"a": torch.ones((MiB + 64) // 4), "b": torch.ones((MiB + 64) // 4)}  # one file each, 2 MiB + 128
-    filler = tmpfs_store.root / "filler"
-    fd = os.open(filler, os.O_CREAT | os.O_RDWR)
-    try:
-        os.posix_fallocate(fd, 0, free_bytes(tmpfs_store.root) - 2 * MiB - 4096)
-    finally:
-        os.close(fd)
+    filler = _fill(tmpfs_store.root, leave=2 * MiB + 4096)
     before = store_tree(tmpfs_store)
     with pytest.raises(InsufficientSpaceError) as ei:
         async_save(tmpfs_store, sd, "c")
@@ -501,21 +503,12 @@ def test_a_failed_save_whose_files_fill_the_tmpfs_does_not_fail_every_later_save
     the others might still write. Those files were cleared only after the next commit, so when they
     left too little room, every later save failed for want of space and none ever committed. Here the
     directory is made as such a save leaves it (begun by this process, before this save)."""
-    from dcp_memstore.store import catalog
-    from dcp_memstore.store.layout import shard_name
-    from dcp_memstore.store.space import allocate_file
-
     layout = tmpfs_store.layout
     left = catalog.begin(layout, "failed")
     os.close(allocate_file(left / shard_name(0, 0), 3 * MiB))
     time.sleep(0.01)  # this save starts after the failed one
     sd = {"a": torch.ones(MiB // 2), "b": torch.ones(MiB // 2)}  # 4 MiB in two files of 2 MiB
-    filler = tmpfs_store.root / "filler"
-    fd = os.open(filler, os.O_CREAT | os.O_RDWR)
-    try:  # room for 2 MiB more: enough only with the failed save's 3 MiB back
-        os.posix_fallocate(fd, 0, free_bytes(tmpfs_store.root) - 2 * MiB)
-    finally:
-        os.close(fd)
+    _fill(tmpfs_store.root, leave=2 * MiB)  # room for 2 MiB more: enough only with the failed save's 3 MiB
     if mode == "save":
         save(tmpfs_store, sd, "next")
     else:
