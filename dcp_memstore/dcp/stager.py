@@ -13,7 +13,6 @@ in the background (``store/reserve.py``), so that only the first save pays for n
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import uuid
@@ -27,6 +26,7 @@ from dcp_memstore.dcp import state_tree, storable
 from dcp_memstore.dcp.save_order import SaveOrder, Ticket, never_started_hint, wait_while
 from dcp_memstore.errors import StagingTimeoutError
 from dcp_memstore.memstore import MemStore
+from dcp_memstore.store import liveness
 from dcp_memstore.store.catalog import claim_owner, committed, recycle
 from dcp_memstore.store.device_copy import DeviceToHost
 from dcp_memstore.store.faults import crash_point
@@ -100,6 +100,7 @@ class Stager:
             try:
                 with space_errors(self.store.layout.root, needed, "while staging"):
                     slot.mkdir(parents=True)  # a tmpfs full before the files were allocated
+                    crash_point("stage-slot", rank)
                     claim_owner(self.store.layout, slot)
                 claimed = run_parallel(  # a new file's page faults are taken in parallel
                     lambda b: pool.acquire(slot / shard_name(rank, b), file_sizes[b]),
@@ -157,7 +158,10 @@ class Stager:
 
     def _slot_for(self, rank: int, ticket: Ticket) -> Path:
         """The staging slot of ``ticket`` (not made yet), named for ``clear_abandoned``; set on the ticket."""
-        slot = self.store.layout.staging_dir / slot_name(rank, os.getpid(), ticket.seq, uuid.uuid4().hex[:8])
+        layout = self.store.layout
+        slot = layout.staging_dir / slot_name(
+            rank, liveness.own_token(layout), ticket.seq, uuid.uuid4().hex[:8]
+        )
         ticket.slot = str(slot)
         return slot
 

@@ -493,8 +493,8 @@ def _recycle_unwritten_before(layout: StoreLayout, slot: Path) -> None:
     mine = parse_slot(slot.name)
     if mine is None:
         return
-    rank, pid, seq = mine
+    rank, owner, seq = mine
     for entry in list(os.scandir(layout.staging_dir)):
         other = parse_slot(entry.name)
-        if other is not None and other[:2] == (rank, pid) and other[2] < seq:
+        if other is not None and other[:2] == (rank, owner) and other[2] < seq:
             catalog.recycle(layout, Path(entry.path))

@@ -35,7 +35,8 @@ from dcp_memstore.store.layout import (
     OWNER,
     StoreLayout,
     file_rank,
-    name_pid,
+    name_owner,
+    new_dir_name,
     shard_rank,
 )
 from dcp_memstore.store.pool import FilePool
@@ -97,7 +98,7 @@ def _is_self(owner: dict) -> bool:
 def begin(layout: StoreLayout, checkpoint_id: str) -> Path:
     """Create the checkpoint's directory, already holding its INPROGRESS marker (coordinator only)."""
     final = layout.checkpoint_dir(checkpoint_id)
-    tmp = layout.checkpoints_dir / f".new-{os.getpid()}-{uuid.uuid4().hex}"
+    tmp = layout.checkpoints_dir / new_dir_name(liveness.own_token(layout), uuid.uuid4().hex)
     tmp.mkdir(parents=True)
     write_record(tmp / INPROGRESS, _owner(layout))
     try:
@@ -441,7 +442,7 @@ def clear_abandoned(
         if not e.is_dir():
             continue
         d = Path(e.path)
-        if e.name.startswith(".new-"):  # .new-<pid>-<id>: a checkpoint directory being made
+        if e.name.startswith(".new-"):  # a checkpoint directory being made (layout.new_dir_name)
             if not _maker_alive(layout, d):
                 shutil.rmtree(d, ignore_errors=True)
             continue
@@ -481,12 +482,13 @@ def claim_owner(layout: StoreLayout, directory: Path) -> None:
 
 
 def _maker_alive(layout: StoreLayout, directory: Path) -> bool:
-    """Whether the process that made ``directory`` (owner record, else the pid in its name) still runs."""
+    """Whether the process that made ``directory`` (its owner record, else the liveness token in its name:
+    it is made before the record is written) still runs."""
     owner = _safe_read(directory / OWNER) or _safe_read(directory / INPROGRESS)
     if owner is not None:
         return _owner_alive(layout, owner)
-    pid = name_pid(directory.name)
-    return pid is not None and psutil.pid_exists(pid)
+    token = name_owner(directory.name)
+    return token is not None and liveness.alive(layout, token)
 
 
 def _safe_read(path: Path) -> dict | None:

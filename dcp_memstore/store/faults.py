@@ -14,6 +14,7 @@ import signal
 
 ENV = "DCP_MEMSTORE_CRASH_AT"
 CRASH_POINTS = (
+    "stage-slot",  # in stage(), the staging slot made, its owner record not written yet
     "stage-copy",  # in stage(), after some tensors were copied into the staging slot
     "write-data",  # in write_data(), after checksums, before the files are named into the checkpoint
     "before-commit",  # in finish(), manifest written, COMMITTED marker not yet

@@ -30,9 +30,11 @@ HOLDS = "holds"
 SHARD_SUFFIX = ".shard"
 _SHARD_RE = re.compile(r"__(\d+)_(\d+)\.shard")
 _FILE_RANK_RE = re.compile(r"__(\d+)_(?:\d+\.shard|objects\.bin)")
-_SLOT_RE = re.compile(r"r(\d+)-p(\d+)-s(\d+)-[0-9a-f]+")
-_NEW_RE = re.compile(r"\.new-(\d+)-[0-9a-f]+")
-_RESERVE_RE = re.compile(r"reserve-r\d+-p(\d+)-[0-9a-f]+")
+# the liveness token of a process (see liveness.py): names the lock file it holds for its life
+OWNER_TOKEN = r"p\d+-[0-9a-f]{12}"
+_SLOT_RE = re.compile(rf"r(\d+)-({OWNER_TOKEN})-s(\d+)-[0-9a-f]+")
+_NEW_RE = re.compile(rf"\.new-({OWNER_TOKEN})-[0-9a-f]+")
+_RESERVE_RE = re.compile(rf"reserve-r\d+-({OWNER_TOKEN})-[0-9a-f]+")
 
 
 def shard_name(rank: int, index: int) -> str:
@@ -57,31 +59,38 @@ def file_rank(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def slot_name(rank: int, pid: int, seq: int, token: str) -> str:
-    """Name of the staging slot of rank ``rank``'s ``seq``-th staged save in process ``pid``."""
-    return f"r{rank}-p{pid}-s{seq}-{token}"
+def slot_name(rank: int, owner: str, seq: int, token: str) -> str:
+    """Name of the staging slot of rank ``rank``'s ``seq``-th staged save in the process whose liveness
+    token is ``owner``."""
+    return f"r{rank}-{owner}-s{seq}-{token}"
 
 
-def reserve_name(rank: int, pid: int, token: str) -> str:
-    """Name of the directory inside rank ``rank``'s pool where process ``pid`` allocates files ahead of its
-    next save (see ``reserve.py``)."""
-    return f"reserve-r{rank}-p{pid}-{token}"
+def reserve_name(rank: int, owner: str, token: str) -> str:
+    """Name of the directory inside rank ``rank``'s pool where the process whose liveness token is
+    ``owner`` allocates files ahead of its next save (see ``reserve.py``)."""
+    return f"reserve-r{rank}-{owner}-{token}"
 
 
-def parse_slot(name: str) -> tuple[int, int, int] | None:
-    """(rank, pid, seq) of staging slot ``name``, or None if ``name`` is not one."""
+def new_dir_name(owner: str, token: str) -> str:
+    """Name of a checkpoint directory being made (renamed to its id once it holds its INPROGRESS marker)
+    by the process whose liveness token is ``owner``."""
+    return f".new-{owner}-{token}"
+
+
+def parse_slot(name: str) -> tuple[int, str, int] | None:
+    """(rank, owner's liveness token, seq) of staging slot ``name``, or None if ``name`` is not one."""
     m = _SLOT_RE.fullmatch(name)
-    return (int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None
+    return (int(m.group(1)), m.group(2), int(m.group(3))) if m else None
 
 
-def name_pid(name: str) -> int | None:
-    """The pid in the name of a staging slot, a new checkpoint directory (``.new-<pid>-<id>``) or a
-    reservation area."""
+def name_owner(name: str) -> str | None:
+    """The liveness token in the name of a staging slot, a checkpoint directory being made or a
+    reservation area: whose they are until their owner record is written."""
     slot = parse_slot(name)
     if slot is not None:
         return slot[1]
     m = _NEW_RE.fullmatch(name) or _RESERVE_RE.fullmatch(name)
-    return int(m.group(1)) if m else None
+    return m.group(1) if m else None
 
 
 @dataclass(frozen=True)

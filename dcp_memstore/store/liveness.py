@@ -19,9 +19,9 @@ import threading
 import uuid
 from pathlib import Path
 
-from dcp_memstore.store.layout import StoreLayout
+from dcp_memstore.store.layout import OWNER_TOKEN, StoreLayout
 
-_TOKEN_RE = re.compile(r"p\d+-[0-9a-f]{12}")
+_TOKEN_RE = re.compile(OWNER_TOKEN)
 _SUFFIX = ".lock"
 _held: dict[Path, tuple[str, int]] = {}  # procs directory -> (token, fd holding the lock) of this process
 _guard = threading.Lock()

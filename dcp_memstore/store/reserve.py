@@ -31,6 +31,7 @@ from collections.abc import Callable
 
 import torch
 
+from dcp_memstore.store import liveness
 from dcp_memstore.store.catalog import claim_owner, recycle
 from dcp_memstore.store.layout import StoreLayout, reserve_name, shard_name
 from dcp_memstore.store.mapping import MAPPINGS, MappedFile
@@ -142,7 +143,7 @@ class Reservation:
                 log.debug("no reservation of %d bytes (x %d ranks): %d bytes free", needed, ranks_here, free)
                 return
             pool.dir.mkdir(exist_ok=True)  # not parents: a store deleted meanwhile stays deleted
-            area = pool.dir / reserve_name(self.rank, os.getpid(), uuid.uuid4().hex[:8])
+            area = pool.dir / reserve_name(self.rank, liveness.own_token(self.layout), uuid.uuid4().hex[:8])
             area.mkdir()
             try:
                 # a process killed from here on leaves the area to clear_abandoned

@@ -6,6 +6,7 @@ import os
 import pickle
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -449,6 +450,44 @@ def test_a_save_killed_in_another_container_is_cleared_once_its_process_is_gone(
     assert_tree_equal(_state(2), load_fresh(quick_store, _state(2), "x"))
     # the dead process's lock file went with its leftovers; this process's own stays while it lives
     assert os.listdir(quick_store.layout.procs_dir) == [f"{liveness.own_token(quick_store.layout)}.lock"]
+
+
+# Stages an async save of checkpoint "y" with DCP_MEMSTORE_CRASH_AT=stage-slot: SIGKILLed right after its
+# staging slot is made, before the slot's owner record is written.
+_STAGING_KILLED = """
+import sys, torch, torch.distributed.checkpoint as dcp
+from dcp_memstore import MemoryStorageWriter, MemStore
+
+store = MemStore(root=sys.argv[1], job_id="job")
+writer = MemoryStorageWriter(store)
+dcp.async_save({"w": torch.ones(1000)}, storage_writer=writer, checkpoint_id="y", no_dist=True)
+"""
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0, reason="needs unshare and root")
+def test_a_staging_slot_of_a_process_killed_in_another_container_is_recycled(quick_store):
+    """A staging slot is made before its owner record; a process killed in between (in another PID
+    namespace) left a slot judged by the pid in its name: that pid of another namespace (2 here) is a live
+    process in this one, so the slot, and its memory, were kept for good. The name carries the process's
+    lock token now."""
+    env = dict(os.environ, DCP_MEMSTORE_CRASH_AT="stage-slot")
+    box = subprocess.run(
+        # a shell as the namespace's pid 1 (which ignores its own SIGKILL), the save its child, pid 2 there
+        ["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", '"$@"; exit $?', "sh"]
+        + [sys.executable, "-c", _STAGING_KILLED, str(quick_store.layout.root)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    staging = quick_store.layout.staging_dir
+    left = os.listdir(staging)
+    assert box.returncode == 128 + signal.SIGKILL, (box.returncode, box.stderr[-2000:])
+    assert len(left) == 1 and not os.listdir(staging / left[0]), left  # the slot, without its owner record
+    MemStore(root=quick_store.layout.root, job_id="job").close()  # the job restarts here
+    assert os.listdir(staging) == []
+    save(quick_store, _state(3), "y")  # and saves as usual
+    assert_tree_equal(_state(3), load_fresh(quick_store, _state(3), "y"))
 
 
 def _fill(root: Path, leave: int) -> Path:

@@ -14,8 +14,15 @@ import msgpack
 import psutil
 import pytest
 
-from dcp_memstore.store import catalog
-from dcp_memstore.store.layout import COMMITTED, INPROGRESS, SHARD_SUFFIX, reserve_name, shard_name
+from dcp_memstore.store import catalog, liveness
+from dcp_memstore.store.layout import (
+    COMMITTED,
+    INPROGRESS,
+    SHARD_SUFFIX,
+    StoreLayout,
+    reserve_name,
+    shard_name,
+)
 from dcp_memstore.store.records import read_record, write_record
 
 
@@ -208,12 +215,11 @@ def test_commit_marker_is_a_record_with_seq_and_size(layout):
 
 
 def test_a_reservation_area_without_its_owner_record_yet_is_kept_while_its_process_lives(layout):
-    """The area is made before its owner record is written: the pid in its name keeps it meanwhile."""
+    """The area is made before its owner record is written: the lock token in its name keeps it meanwhile."""
     pool = layout.pool_dir(0)
     pool.mkdir(parents=True)
-    live = pool / reserve_name(0, os.getpid(), "aa11")
-    dead_pid = _dead_pid()
-    dead = pool / reserve_name(0, dead_pid, "bb22")
+    live = pool / reserve_name(0, liveness.own_token(layout), "aa11")
+    dead = pool / reserve_name(0, _dead_token(layout), "bb22")
     for area in (live, dead):
         area.mkdir()
         (area / shard_name(0, 0)).write_bytes(b"r" * 4096)
@@ -223,12 +229,17 @@ def test_a_reservation_area_without_its_owner_record_yet_is_kept_while_its_proce
     assert len(list(pool.glob(f"*{SHARD_SUFFIX}"))) == 1  # the dead one's file went into the pool
 
 
-def _dead_pid() -> int:
+def _dead_token(layout: StoreLayout) -> str:
+    """The liveness token of a process that took one and exited."""
+    read, write = os.pipe()
     pid = os.fork()
     if pid == 0:
+        os.write(write, liveness.own_token(layout).encode())
         os._exit(0)
+    os.close(write)
     os.waitpid(pid, 0)
-    return pid
+    with os.fdopen(read, "rb") as r:
+        return r.read().decode()
 
 
 @pytest.mark.parametrize(
