@@ -146,6 +146,21 @@ def test_empty_tmpfs_restores_newest_persisted_checkpoint(shm_dir, bucket_dir, t
         subprocess.run(["rm", "-rf", str(fresh_root)], check=True)
 
 
+def _load_error_on_another_node(shm_dir: Path, bucket_dir: Path, sd: dict, cid: str) -> BaseException:
+    """What a load of ``cid`` raises in a store with the same job and ``persist_to`` whose tmpfs does not
+    have it (another node, or this one after a reboot): it reads the persisted copy."""
+    fresh_root = Path(str(shm_dir) + "-fresh")
+    try:
+        with (
+            MemStore(root=fresh_root, job_id="job", persist_to=str(bucket_dir)) as fresh,
+            pytest.raises(BaseException) as ei,  # noqa: B017 - DCP wraps it
+        ):
+            load(fresh, blank_like(sd), cid)
+    finally:
+        subprocess.run(["rm", "-rf", str(fresh_root)], check=True)
+    return ei.value
+
+
 def test_a_damaged_persisted_manifest_is_refused_naming_it(shm_dir, bucket_dir):
     with _pstore(shm_dir, bucket_dir, persist_every=1) as store:
         save(store, _state(3), "c")
@@ -154,18 +169,10 @@ def test_a_damaged_persisted_manifest_is_refused_naming_it(shm_dir, bucket_dir):
     data = bytearray(manifest.read_bytes())
     data[len(data) // 2] ^= 0x01
     manifest.write_bytes(data)
-    fresh_root = Path(str(shm_dir) + "-fresh")
-    try:
-        with (
-            MemStore(root=fresh_root, job_id="job", persist_to=str(bucket_dir)) as fresh,
-            pytest.raises(BaseException) as ei,  # noqa: B017 - DCP wraps it
-        ):
-            load(fresh, blank_like(_state(3)), "c")
-    finally:
-        subprocess.run(["rm", "-rf", str(fresh_root)], check=True)
+    error = _load_error_on_another_node(shm_dir, bucket_dir, _state(3), "c")
     # the damage, not "'c' not found" next to a list of the persisted checkpoints that names it
     damage = f"c/{REMOTE_MANIFEST}: the manifest is corrupt: its xxh3_64 checksum does not match"
-    assert damage in str(ei.value) and "not found" not in str(ei.value)
+    assert damage in str(error) and "not found" not in str(error)
 
 
 @pytest.mark.parametrize("damage", ["delete", "corrupt", "empty"])
@@ -236,18 +243,10 @@ def test_a_truncated_persisted_file_is_an_error_saying_how_short(shm_dir, bucket
         store.wait_persisted("c", timeout=60)
     victim = bucket_dir / "c" / "__0_0.distcp"
     os.truncate(victim, victim.stat().st_size // 2)
-    fresh_root = Path(str(shm_dir) + "-fresh")
-    try:
-        with (
-            MemStore(root=fresh_root, job_id="job", persist_to=str(bucket_dir)) as fresh,
-            pytest.raises(BaseException) as ei,  # noqa: B017 - DCP wraps it
-        ):
-            load(fresh, blank_like(_state(4)), "c")
-    finally:
-        subprocess.run(["rm", "-rf", str(fresh_root)], check=True)
+    error = _load_error_on_another_node(shm_dir, bucket_dir, _state(4), "c")
     size = victim.stat().st_size
     assert f"TruncatedShardError: {bucket_dir}/c/__0_0.distcp is only {size} bytes long, where item " in str(
-        ei.value
+        error
     )
 
 
