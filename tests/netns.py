@@ -364,6 +364,13 @@ class Node:
         """Plug the cable back in (the node is reachable again within milliseconds)."""
         _ip("-n", self.cluster.bridge_ns, "link", "set", self._port, "up")
 
+    def kill(self) -> None:
+        """The machine dies: SIGKILL every process in the node's namespace (torchrun's workers too, which
+        run in sessions of their own)."""
+        left = _kill_netns_procs([self.name])
+        if left:
+            raise NetnsError(f"processes {left} in {self.name} survived SIGKILL")
+
     def wipe_root(self) -> None:
         """Delete everything in the node's tmpfs (a replaced node comes back empty)."""
         for entry in os.scandir(self.root):

@@ -3,8 +3,11 @@
     save: checkpoint steps 1..N (``dcp.save``), each a DTensor sharded over all ranks (``Shard(0)``), a
           replicated tensor and an int; optionally wait until replicated or persisted, wait for the test's
           go-ahead.
+          With ``--owe N``, rank 0 alone asks for step N's upload after the saves and reports once its
+          node's share is uploaded (the other nodes never upload theirs).
     load: ``latest_checkpoint()``, then ``dcp.load`` into fresh tensors and compare bit for bit with what
-          that step saved (the world size may differ from the save's).
+          that step saved (the world size may differ from the save's); with ``--wait-persisted N``, every
+          rank then waits for step N's upload and reports how it ended.
 
 Every event is one line ``@@mn {json}`` on stdout (the test reads the node logs).
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -64,17 +68,42 @@ def save(args, store: MemStore, mesh) -> None:
         if args.wait_replicated:
             st = store.wait_replicated(cid, timeout=60)
             emit(event="replicated", step=step, replication=st.replication, replicas=st.replicas)
-        if args.persist_to:
+        if args.persist_to and args.persist_every:
             st = store.wait_persisted(cid, timeout=60)
             emit(
                 event="persisted", step=step, url=st.persisted_url, files=[st.files_uploaded, st.files_total]
             )
+    if args.owe and dist.get_rank() == 0:
+        owe(store, f"step-{args.owe}")
     if args.serve_until:
         svc = store.replication()
         emit(event="serving", addr=list(svc.peers().server(svc.node.node_rank)))
         wait_for(Path(args.tmp) / args.serve_until, 120)
         st = store.status(f"step-{args.steps}")
         emit(event="after-probe", replication=st.replication, listed=store.list_checkpoints())
+
+
+def owe(store: MemStore, cid: str) -> None:
+    """Ask for ``cid``'s upload on this node only, and report once this node's share of it is uploaded."""
+    store.persist(cid)
+    deadline = time.monotonic() + 60
+    while (st := store.status(cid)).files_uploaded < st.files_total or not st.files_total:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"this node's share of {cid} not uploaded after 60 s: {st}")
+        time.sleep(0.05)
+    emit(event="share-uploaded", checkpoint=cid, files=[st.files_uploaded, st.files_total])
+
+
+def wait_persisted(store: MemStore, cid: str) -> None:
+    """Wait for ``cid``'s upload (20 s at most) and report how it ended and what status said."""
+    try:
+        st = store.wait_persisted(cid, timeout=20)
+        outcome = "persisted"
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        st, outcome = store.status(cid), f"{type(e).__name__}: {e}"
+    files = [st.files_uploaded, st.files_total]
+    emit(event="persist", checkpoint=cid, outcome=outcome, state=st.persist, error=st.error,
+         in_memory=st.in_memory, files=files)  # fmt: skip
 
 
 def watch(store: MemStore, cid: str, tmp: Path) -> None:
@@ -107,6 +136,8 @@ def watch(store: MemStore, cid: str, tmp: Path) -> None:
 def load(args, store: MemStore, mesh) -> None:
     cid = store.latest_checkpoint()
     emit(event="latest", checkpoint=cid, here=store.list_checkpoints())
+    if args.wait_persisted:
+        wait_persisted(store, f"step-{args.wait_persisted}")
     if cid is None:
         return
     step = int(cid.split("-")[1])
@@ -140,12 +171,19 @@ def main() -> None:
     p.add_argument("--tmp", default="/tmp")
     p.add_argument("--wait-replicated", action="store_true")
     p.add_argument("--watch", action="store_true")
-    p.add_argument("--persist-to", default=None, help="persist every checkpoint there (a shared directory)")
+    p.add_argument("--persist-to", default=None, help="persist checkpoints there (a shared directory)")
+    p.add_argument("--persist-every", type=int, default=1, help="0: only what is asked for (--owe)")
+    p.add_argument("--owe", type=int, default=0, help="after saving, persist this step from node 0 only")
+    p.add_argument("--wait-persisted", type=int, default=0, help="after loading, wait for it")
     p.add_argument("--serve-until", default=None, help="after saving, serve until this file appears in --tmp")
     args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    persist = {"persist_to": args.persist_to, "persist_every": 1} if args.persist_to else {}
+    persist = {}
+    if args.persist_to:
+        every = args.persist_every or None
+        persist = {"persist_to": args.persist_to, "persist_every": every, "persist_on_close": bool(every)}
     store = MemStore(
         job_id=args.job, replicas=args.replicas, keep_in_memory=args.keep, replication_timeout_s=3, **persist
     )
@@ -153,7 +191,7 @@ def main() -> None:
         (save if args.phase == "save" else load)(args, store, mesh)
         dist.barrier()
     finally:
-        store.close()
+        store.close(timeout=10 if args.persist_to else None)  # an upload that cannot end does not hang it
         dist.destroy_process_group()
 
 
