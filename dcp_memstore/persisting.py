@@ -13,9 +13,9 @@ import math
 import time
 
 from dcp_memstore.errors import PersistError
-from dcp_memstore.persist.persister import node_share
+from dcp_memstore.persist.persister import global_rank, node_share
 from dcp_memstore.persist.progress import PERSIST_HOLD, Progress, is_owed
-from dcp_memstore.persist.publish import remote_commit
+from dcp_memstore.persist.publish import read_parts, remote_commit
 from dcp_memstore.persist.remote_read import RemoteCheckpoint
 from dcp_memstore.status import CheckpointStatus
 from dcp_memstore.store import catalog
@@ -130,6 +130,33 @@ class PersistingStore:
                     f"{' (' + st.error + ')' if st.error else ''}"
                 )
             time.sleep(0.05)
+
+    def _report_unheld(self, cid: str, missing: list[str]) -> None:
+        """Owed checkpoint ``cid`` is committed here, but ``missing`` (files of other nodes) are held by no
+        node of the job: lost with a node, and no replica of them is left. Those not uploaded yet never
+        will be: say so (a WARNING naming them) and mark the upload failed with that reason, so that
+        ``status(id)`` and ``wait_persisted`` tell it instead of the checkpoint being held silently."""
+        rec = catalog.read_commit(self.layout, cid)
+        if rec is None:
+            return
+        try:
+            lost = sorted(set(missing) - set(read_parts(self.target, rec)))
+        except Exception as e:  # noqa: BLE001 - what is uploaded is unknown: the persister retries
+            log.warning(
+                "checkpoint %r owed to %s: files %s are held by no node of the job, and %s is unreachable "
+                "(%s) to tell whether they were uploaded",
+                cid, self.target.url, missing, self.target.url, e,
+            )  # fmt: skip
+            return
+        if not lost:
+            return
+        reason = (
+            f"files {lost} are held by no node of the job (lost with a node, no replica left) and were "
+            "never uploaded: the upload cannot complete; the checkpoint stays held in memory until "
+            "store.delete(id)"
+        )
+        log.warning("checkpoint %r cannot be persisted to %s: %s", cid, self.target.url, reason)
+        Progress(self.layout, cid, self.target.url).report(global_rank(), "failed", reason)
 
     def _owed(self) -> list[str]:
         """The committed checkpoints owed to persistent storage (held in memory until uploaded)."""

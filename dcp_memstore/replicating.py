@@ -10,15 +10,17 @@ is here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
 from typing import Any
 
 from dcp_memstore.errors import CommitError
+from dcp_memstore.persist.progress import Progress, is_owed
 from dcp_memstore.replication.cluster_read import ClusterCheckpoint
 from dcp_memstore.replication.peers import Peers, default_bind_host
-from dcp_memstore.replication.recovery import restore, resync
+from dcp_memstore.replication.recovery import restore, resync, unheld
 from dcp_memstore.replication.service import ReplicationService, job_node_info
 from dcp_memstore.replication.tcp import TcpTransport
 from dcp_memstore.replication.transport import format_peer
@@ -61,30 +63,56 @@ class ReplicatingStore:
         in_memory: dict[str, tuple[float, int, int]],
         inventories: dict[int, dict],
     ) -> None:
-        """Restore ``newest`` on this node if it is readable from the cluster but not here, and owe again
-        the replicas other nodes lost (see ``recovery``). Failures are logged: reads then fetch per file."""
+        """Restore on this node, from the copies and replicas other nodes hold, ``newest`` and every
+        checkpoint some node still owes to persistent storage (so that this node uploads its share of it),
+        if readable from the cluster but not committed here; owe here what another node owes; report an
+        owed checkpoint whose files no node holds. Then owe again the replicas other nodes lost (see
+        ``recovery``). Failures are logged: reads then fetch per file."""
         peers = service.peers()
-        if newest is not None and newest in in_memory and catalog.read_commit(self.layout, newest) is None:
-            start = time.perf_counter()
-            try:
-                nbytes = restore(
-                    self.layout, peers, service.control, newest, in_memory[newest], self.io_threads
-                )
-                seconds = time.perf_counter() - start
-                log.info(
-                    "restored checkpoint %r on %s from its peers: %d bytes in %.2f s (%.2f GB/s)",
-                    newest, peers.name, nbytes, seconds, nbytes / max(seconds, 1e-9) / 1e9,
-                )  # fmt: skip
-            except (FileNotFoundError, ConnectionError, TimeoutError, OSError, RuntimeError, ValueError) as e:
-                log.warning(
-                    "cannot restore checkpoint %r on %s from its peers (reads fetch per file): %s",
-                    newest,
-                    peers.name,
-                    e,
-                )
+        owed = set() if self.target is None else {c for inv in inventories.values() for c in inv["owed"]}
+        restorable = sorted(owed & in_memory.keys(), key=lambda cid: in_memory[cid][1])
+        for cid in dict.fromkeys([newest, *restorable]):  # the one the job loads first, then the oldest
+            if cid in in_memory and catalog.read_commit(self.layout, cid) is None:
+                self._restore(service, cid, in_memory[cid], owe=cid in owed)
+        for cid in sorted(owed):
+            if catalog.read_commit(self.layout, cid) is None:
+                continue
+            if cid not in in_memory and is_owed(self.layout, cid):
+                self._report_unheld(cid, unheld(list(inventories.values()))[cid][1])
+            elif cid in in_memory and not is_owed(self.layout, cid):
+                Progress(self.layout, cid, self.target.url).request("owed by another node")
         if self.replicas:
             resync(self.layout, peers, inventories)
         service.wake()
+        if owed and self._persister is not None:
+            self._persister.wake()
+
+    def _restore(
+        self, service: ReplicationService, cid: str, record: tuple[float, int, int], owe: bool
+    ) -> None:
+        """Restore ``cid`` on this node from its peers (``owe``: owed to persistent storage here too, from
+        before it is visible); a failure is logged."""
+        peers = service.peers()
+        progress = Progress(self.layout, cid, self.target.url) if owe else None
+        start = time.perf_counter()
+        try:
+            nbytes = restore(
+                self.layout, peers, service.control, cid, record, self.io_threads,
+                functools.partial(progress.request, "owed by another node") if progress else None,
+            )  # fmt: skip
+            seconds = time.perf_counter() - start
+            log.info(
+                "restored checkpoint %r on %s from its peers: %d bytes in %.2f s (%.2f GB/s)",
+                cid, peers.name, nbytes, seconds, nbytes / max(seconds, 1e-9) / 1e9,
+            )  # fmt: skip
+        except (FileNotFoundError, ConnectionError, TimeoutError, OSError, RuntimeError, ValueError) as e:
+            log.warning(
+                "cannot restore checkpoint %r on %s from its peers (reads fetch per file%s): %s",
+                cid,
+                peers.name,
+                "; its upload waits for this node's share" if owe else "",
+                e,
+            )
 
     def _cluster_copy(self, cid: str) -> ClusterCheckpoint | None:
         """``cid`` as the other nodes' memory holds it, or None (single node, or committed nowhere)."""

@@ -4,15 +4,18 @@ replicators which replicas were lost so they send them again.
 
 ``latest_checkpoint()`` gathers every node's ``inventory`` (one rank per node reports: the checkpoints
 committed there with the files their manifests list, and the files it holds, its own and the replicas it
-keeps for others). A checkpoint is readable from memory if some node still has its manifest and every file
-it lists is held somewhere. Every rank computes the same answer from the same gathered views.
+keeps for others, and the checkpoints it owes to persistent storage). A checkpoint is readable from memory
+if some node still has its manifest and every file it lists is held somewhere. Every rank computes the
+same answer from the same gathered views.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
+from dcp_memstore.persist.progress import is_owed
 from dcp_memstore.replication.cluster_read import ClusterCheckpoint
 from dcp_memstore.replication.peers import Peers, node_name
 from dcp_memstore.replication.replicator import ReplicaRecords, manifest_files, node_files, to
@@ -27,13 +30,16 @@ log = logging.getLogger(__name__)
 
 def inventory(layout: StoreLayout) -> dict:
     """What this node holds: ``committed`` [[id, committed_at, seq, nbytes, {file: size} listed]],
-    ``own`` {id: {file: size}} present, ``replicas`` {source node: {id: {file: size}}}."""
-    committed, own = [], {}
+    ``own`` {id: {file: size}} present, ``replicas`` {source node: {id: {file: size}}}, ``owed`` [ids owed
+    to persistent storage]."""
+    committed, own, owed = [], {}, []
     for r in catalog.committed(layout):
         committed.append(
             [r.checkpoint_id, r.committed_at, r.seq, r.nbytes, manifest_files(layout, r.checkpoint_id)]
         )
         own[r.checkpoint_id] = node_files(layout, r.checkpoint_id)
+        if is_owed(layout, r.checkpoint_id):
+            owed.append(r.checkpoint_id)
     replicas: dict[str, dict[str, dict[str, int]]] = {}
     try:
         sources = list(os.scandir(layout.replicas_dir))
@@ -44,12 +50,18 @@ def inventory(layout: StoreLayout) -> dict:
             files = list_files(ck.path)
             if files:
                 replicas.setdefault(src.name, {})[ck.name] = files
-    return {"committed": committed, "own": own, "replicas": replicas}
+    return {"committed": committed, "own": own, "replicas": replicas, "owed": owed}
 
 
 def readable(inventories: list[dict]) -> dict[str, tuple[float, int, int]]:
     """The checkpoints the job can read from memory, with (committed_at, seq, nbytes): some node has the
     manifest and every file it lists is held by some node (own copy or replica) at the listed size."""
+    return {cid: rec for cid, (rec, missing) in unheld(inventories).items() if not missing}
+
+
+def unheld(inventories: list[dict]) -> dict[str, tuple[tuple[float, int, int], list[str]]]:
+    """Every checkpoint some node has the manifest of, with its (committed_at, seq, nbytes) and the files
+    it lists that no node holds (own copy or replica) at the listed size, sorted."""
     listed: dict[str, tuple[tuple[float, int, int], dict[str, int]]] = {}
     held: dict[str, dict[str, int]] = {}
     for inv in inventories:
@@ -63,8 +75,7 @@ def readable(inventories: list[dict]) -> dict[str, tuple[float, int, int]]:
     out = {}
     for cid, (rec, files) in listed.items():
         have = held.get(cid, {})
-        if all(have.get(f, -1) >= size for f, size in files.items()):
-            out[cid] = rec
+        out[cid] = (rec, sorted(f for f, size in files.items() if have.get(f, -1) < size))
     return out
 
 
@@ -75,11 +86,13 @@ def restore(
     checkpoint_id: str,
     record: tuple[float, int, int],
     threads: int,
+    before_commit: Callable[[], None] | None = None,
 ) -> int:
     """Make committed checkpoint ``checkpoint_id`` whole again on this node: fetch its manifest and the
     files this node's ranks wrote from the nodes holding them, then commit it here with the job's
-    ``record`` (committed_at, seq, nbytes). Returns the bytes fetched. Raises FileNotFoundError if a file
-    is held by no reachable node (nothing is committed then)."""
+    ``record`` (committed_at, seq, nbytes), ``before_commit`` called first (holds placed there are in place
+    when it becomes visible). Returns the bytes fetched. Raises FileNotFoundError if a file is held by no
+    reachable node (nothing is committed then)."""
     cluster = ClusterCheckpoint(peers, transport, checkpoint_id)
     stale = layout.checkpoint_dir(checkpoint_id)
     if stale.exists():
@@ -96,6 +109,8 @@ def restore(
     at, seq, nbytes = record
     if peers.targets():
         ReplicaRecords(layout, checkpoint_id).hold()  # settled by ``resync`` and the replicator
+    if before_commit is not None:
+        before_commit()
     catalog.commit(layout, checkpoint_id, nbytes, seq=seq, committed_at=at)
     return sum(os.stat(d / f).st_size for f in mine)
 

@@ -8,7 +8,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.multinode.mn_worker import global_weight
-from tests.multinode.test_mn_replication import of, run_job
+from tests.multinode.test_mn_replication import TIMEOUT_S, launch, of, run_job, wait_line
 
 pytestmark = pytest.mark.slow
 
@@ -28,3 +28,62 @@ def test_two_nodes_persist_to_a_shared_directory_that_stock_dcp_loads(cluster2, 
     dcp.load(out, storage_reader=dcp.FileSystemReader(str(shared / "step-1")), no_dist=True)
     assert torch.equal(out["w"], global_weight(1, 2))
     assert torch.equal(out["bias"], torch.arange(1000, dtype=torch.float64)) and out["step"] == 1
+
+
+def save_and_lose_node1_before_its_upload(cluster, tmp_path, shared, replicas: int, wiped: bool = True):
+    """Steps 1 and 2 saved by nodes 0 and 1; step 1 owed to ``shared``, node 0's share of it uploaded, node
+    1's not; then both nodes are SIGKILLed and (``wiped``) node 1 comes back with an empty tmpfs."""
+    args = ["save", "--steps", 2, "--mib", 2, "--replicas", replicas, "--persist-to", shared,
+            "--persist-every", 0, "--owe", 1, "--tmp", tmp_path, "--serve-until", "never"]  # fmt: skip
+    procs = launch(cluster, [0, 1], args, tmp_path)
+    wait_line(tmp_path / "node0.log", '"share-uploaded"', TIMEOUT_S)
+    wait_line(tmp_path / "node1.log", '"serving"', TIMEOUT_S)
+    for i in (0, 1):
+        cluster.node(i).kill()
+    for p in procs:
+        p.wait(30)
+    parts = shared / "step-1" / ".dcp_memstore" / "parts"
+    names = [p.name for p in parts.iterdir()]
+    assert names and all(n.startswith("__0_") for n in names), names  # node 0's files only
+    if wiped:
+        cluster.node(1).wipe_root()
+
+
+@pytest.mark.parametrize("wiped", [True, False], ids=["node1-replaced", "node1-never-asked"])
+def test_owed_checkpoint_older_than_the_newest_is_completed_after_a_restart(cluster2, tmp_path, wiped):
+    """Step 1 is owed to persistent storage and node 1 never uploaded its share: it died and came back
+    empty (its files of step 1 are in the replicas node 0 keeps), or it was never asked (persist(id) on
+    node 0 only). The job resumes from step 2; step 1 is still completed: node 1 restores it from the
+    replicas, owes it too, uploads its share, and the checkpoint is published."""
+    shared = tmp_path / "persisted"
+    save_and_lose_node1_before_its_upload(cluster2, tmp_path, shared, replicas=1, wiped=wiped)
+    args = ["load", "--mib", 2, "--persist-to", shared, "--persist-every", 0, "--wait-persisted", 1]
+    loaded = run_job(cluster2, [0, 1], args, tmp_path)
+    for evs in loaded:
+        assert of(evs, "latest")[0]["checkpoint"] == "step-2"
+        assert of(evs, "loaded")[0]["ok"] is True
+        (persist,) = of(evs, "persist")
+        assert persist == {**persist, "outcome": "persisted", "in_memory": True}, persist
+        assert persist["files"][0] == persist["files"][1] > 0
+    assert of(loaded[1], "latest")[0]["here"] == ["step-1", "step-2"]
+    out = {"w": torch.zeros(2 * 256, 1024), "bias": torch.zeros(1000, dtype=torch.float64), "step": -1}
+    dcp.load(out, storage_reader=dcp.FileSystemReader(str(shared / "step-1")), no_dist=True)
+    assert torch.equal(out["w"], global_weight(1, 2)) and out["step"] == 1
+
+
+def test_owed_checkpoint_whose_files_no_node_holds_is_reported(cluster2, tmp_path):
+    """As above without replicas: node 1's files of step 1 are gone from the job's memory and were never
+    uploaded, so step 1 can never be published. Node 0 says so (a WARNING naming the checkpoint and the
+    files) and its status is failed with that reason, instead of holding it silently."""
+    shared = tmp_path / "persisted"
+    save_and_lose_node1_before_its_upload(cluster2, tmp_path, shared, replicas=0)
+    args = ["load", "--mib", 2, "--replicas", 0, "--persist-to", shared, "--persist-every", 0,
+            "--wait-persisted", 1]  # fmt: skip
+    loaded = run_job(cluster2, [0, 1], args, tmp_path)
+    (persist,) = of(loaded[0], "persist")
+    assert persist["outcome"].startswith("PersistError") and persist["state"] == "failed", persist
+    assert "__1_0.shard" in persist["error"] and "held by no node" in persist["error"], persist
+    assert persist["in_memory"] is True  # still held: store.delete(id) drops it
+    log0 = (tmp_path / "node0.log").read_text(errors="replace")
+    warning = next(line for line in log0.splitlines() if "WARNING" in line and "'step-1'" in line)
+    assert "__1_0.shard" in warning

@@ -11,9 +11,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_memstore import CommitError, MemoryStorageWriter, MemStore
+from dcp_memstore.persist.progress import PERSIST_HOLD
 from dcp_memstore.replication.peers import Peers
 from dcp_memstore.replication.placement import NodeInfo
-from dcp_memstore.replication.recovery import inventory, readable, resync
+from dcp_memstore.replication.recovery import inventory, readable, resync, unheld
 from dcp_memstore.replication.replicator import REPLICA_HOLD, ReplicaRecords, node_files, to
 from dcp_memstore.store import catalog
 from dcp_memstore.store.layout import MANIFEST
@@ -38,6 +39,7 @@ def test_readable_needs_a_manifest_and_every_file_somewhere():
     node0 = {"committed": [["s1", 2.0, 1, 150, listed]], "own": {"s1": {"__0_0.shard": 100}}, "replicas": {}}
     node1_lost = {"committed": [], "own": {}, "replicas": {}}  # node 1 came back empty
     assert readable([node0, node1_lost]) == {}
+    assert unheld([node0, node1_lost]) == {"s1": ((2.0, 1, 150), ["__1_0.shard"])}  # what is missing
     node2 = {"committed": [], "own": {}, "replicas": {"node1": {"s1": {"__1_0.shard": 50}}}}
     assert readable([node0, node1_lost, node2]) == {"s1": (2.0, 1, 150)}
     short = {"committed": [], "own": {}, "replicas": {"node1": {"s1": {"__1_0.shard": 49}}}}
@@ -55,6 +57,9 @@ def test_inventory_lists_own_files_and_replicas(store):
     ((cid, _, seq, _, listed),) = inv["committed"]
     assert (cid, seq) == ("s1", 1) and set(listed) == set(inv["own"]["s1"])
     assert inv["replicas"] == {"node1": {"s1": {"__1_0.shard": 10}}}
+    assert inv["owed"] == []
+    catalog.hold(store.layout, "s1", PERSIST_HOLD)  # owed to persistent storage: the other nodes learn it
+    assert inventory(store.layout)["owed"] == ["s1"]
 
 
 def test_resync_acknowledges_what_the_target_holds_and_owes_what_it_lost(store):
