@@ -27,15 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
 from dcp_memstore import MemStore  # noqa: E402
 from dcp_memstore.megatron import MemStoreLoadStrategy, MemStoreSaveStrategy  # noqa: E402
-from tests.megatron.test_megatron_strategies import (  # noqa: E402
-    common_state,
-    expected_loaded,
-    local_values,
-    rank_object,
-    run_megatron_job,
-    sharded,
-    template,
-)
+from tests.megatron import test_megatron_strategies as megatron_state  # noqa: E402
 from tests.multiproc.mp_harness import JOB_ID, assert_bit_equal  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -53,8 +45,10 @@ def resave_job(rank: int, world: int, root: str, ckpts: str) -> dict[str, Any]:
 
     def state(seed: int) -> dict[str, Any]:
         return {
-            **sharded(local_values(rank, seed), rank_object(rank, seed), rank, world),
-            **common_state(seed),
+            **megatron_state.sharded(
+                megatron_state.local_values(rank, seed), megatron_state.rank_object(rank, seed), rank, world
+            ),
+            **megatron_state.common_state(seed),
         }
 
     mdc.save(state(1), str(base / RESAVED), sharded_strategy=save)
@@ -65,10 +59,12 @@ def resave_job(rank: int, world: int, root: str, ckpts: str) -> dict[str, Any]:
     except CheckpointException as e:  # DCP's, a BaseException: raised on every rank
         out["resave"] = str(e)
     try:
-        out["loaded"] = mdc.load(template(rank, world), str(base / RESAVED), sharded_strategy=load)
+        out["loaded"] = mdc.load(
+            megatron_state.template(rank, world), str(base / RESAVED), sharded_strategy=load
+        )
     except CheckpointingException as e:
         out["loaded"] = f"{type(e).__name__}: {e}"
-    out["kept"] = mdc.load(template(rank, world), str(base / KEPT), sharded_strategy=load)
+    out["kept"] = mdc.load(megatron_state.template(rank, world), str(base / KEPT), sharded_strategy=load)
     store.close()
     return out
 
@@ -76,7 +72,7 @@ def resave_job(rank: int, world: int, root: str, ckpts: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def job() -> Any:
     """Run the 2-rank job once; its ranks' reports."""
-    yield from run_megatron_job(resave_job, (RESAVED, KEPT))
+    yield from megatron_state.run_megatron_job(resave_job, (RESAVED, KEPT))
 
 
 def test_load_refuses_common_state_replaced_by_a_refused_save(job: list[dict]) -> None:
@@ -93,4 +89,4 @@ def test_load_refuses_common_state_replaced_by_a_refused_save(job: list[dict]) -
 def test_other_checkpoints_still_load(job: list[dict]) -> None:
     """Checkpoints whose common.pt is the one committed with them load bit for bit."""
     for rank, rep in enumerate(job):
-        assert_bit_equal(rep["kept"], expected_loaded(rank, 2), f"rank {rank} kept")
+        assert_bit_equal(rep["kept"], megatron_state.expected_loaded(rank, 2), f"rank {rank} kept")

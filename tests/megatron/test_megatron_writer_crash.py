@@ -32,16 +32,8 @@ from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 from dcp_memstore import MemStore  # noqa: E402
 from dcp_memstore.megatron import MemStoreLoadStrategy, MemStoreSaveStrategy  # noqa: E402
 from dcp_memstore.store.faults import ENV as CRASH_AT  # noqa: E402
+from tests.megatron import test_megatron_strategies as megatron_state  # noqa: E402
 from tests.megatron.cuda_shim import shim_cuda_for_cpu  # noqa: E402
-from tests.megatron.test_megatron_strategies import (  # noqa: E402
-    common_state,
-    expected_loaded,
-    local_values,
-    rank_object,
-    run_megatron_job,
-    sharded,
-    template,
-)
 from tests.multiproc.mp_harness import JOB_ID, assert_bit_equal  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -62,8 +54,11 @@ def crashed_writer_job(rank: int, world: int, root: str, ckpts: str) -> dict[str
     out: dict[str, Any] = {}
 
     def state(seed: int) -> dict[str, Any]:
-        values = local_values(rank, seed)
-        return {**sharded(values, rank_object(rank, seed), rank, world), **common_state(seed)}
+        values = megatron_state.local_values(rank, seed)
+        return {
+            **megatron_state.sharded(values, megatron_state.rank_object(rank, seed), rank, world),
+            **megatron_state.common_state(seed),
+        }
 
     request = mdc.save(state(1), str(base / CRASHED), sharded_strategy=save, async_sharded_save=True)
     if rank == 1:  # the forked writer inherits this and kills itself after checksumming
@@ -83,7 +78,7 @@ def crashed_writer_job(rank: int, world: int, root: str, ckpts: str) -> dict[str
     except CheckpointException as e:
         out["crashed"] = str(e)
     out["finalized"] = queue.maybe_finalize_async_calls(blocking=True)
-    out["loaded"] = mdc.load(template(rank, world), str(base / NEXT), sharded_strategy=load)
+    out["loaded"] = mdc.load(megatron_state.template(rank, world), str(base / NEXT), sharded_strategy=load)
     out["committed"] = store.list_checkpoints()
     out["staging_left"] = sorted(os.listdir(store.layout.staging_dir))
     store.close()
@@ -93,7 +88,7 @@ def crashed_writer_job(rank: int, world: int, root: str, ckpts: str) -> dict[str
 @pytest.fixture(scope="module")
 def job() -> Any:
     """Run the 2-rank job once; its ranks' reports (fails if it hangs)."""
-    yield from run_megatron_job(crashed_writer_job, (CRASHED, NEXT), timeout=JOB_WAIT_S)
+    yield from megatron_state.run_megatron_job(crashed_writer_job, (CRASHED, NEXT), timeout=JOB_WAIT_S)
 
 
 def test_next_save_does_not_wait_for_a_killed_writer(job: list[dict]) -> None:
@@ -111,4 +106,4 @@ def test_killed_writer_fails_its_save_and_the_next_one_commits(job: list[dict]) 
         assert rep["finalized"] == [1]
         assert rep["committed"] == [NEXT]
         assert rep["staging_left"] == []
-        assert_bit_equal(rep["loaded"], expected_loaded(rank, 2), f"rank {rank} next save")
+        assert_bit_equal(rep["loaded"], megatron_state.expected_loaded(rank, 2), f"rank {rank} next save")
