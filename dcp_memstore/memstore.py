@@ -121,18 +121,28 @@ class CheckpointSource:
         return self._find_cluster() if self._find_cluster is not None else None
 
 
-def _positive_int(name: str, value: object) -> int:
+# A timeout option at or above this (math.inf included) means no limit. It is taken as this many seconds
+# (over three years): socket and lock timeouts, and torch.distributed store waits, refuse infinity, and
+# sockets refuse anything from about 9.2e9 s.
+NO_LIMIT_S = 1e8
+MAX_IO_THREADS = 256
+
+
+def _positive_int(name: str, value: object, at_most: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if at_most is not None and value > at_most:
+        raise ValueError(f"{name} must be an int from 1 to {at_most}, got {value!r}")
     return value
 
 
 def _positive_seconds(name: str, value: object) -> float:
     """``value`` as a float if it is a number > 0, else a ValueError naming the option (not the TypeError
-    a comparison of a str or None would raise)."""
+    a comparison of a str or None would raise). ``math.inf`` or any value from NO_LIMIT_S up (no limit)
+    is NO_LIMIT_S."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name} must be > 0, got {value!r} (a number of seconds)")
-    return float(value)
+        raise ValueError(f"{name} must be > 0, got {value!r} (a number of seconds; math.inf: no limit)")
+    return min(float(value), NO_LIMIT_S)
 
 
 def _flag(name: str, value: object) -> bool:
@@ -152,10 +162,11 @@ class MemStore(PersistingStore, ReplicatingStore):
             (``$TORCHELASTIC_RUN_ID``), else ``"default"``.
         keep_in_memory: committed checkpoints kept; older ones are evicted at each commit. Default 2.
         max_in_flight: async saves staged but not yet written; the next ``stage`` waits. Default 1.
-        io_threads: writer/reader threads per rank, and so shard files per rank.
+        io_threads: writer/reader threads per rank, and so shard files per rank (1 to 256).
             Default: cores per local rank, at most 4.
         verify_checksums: verify every item's xxh3-64 checksum when loading. Default True.
-        stage_timeout_s: how long an async save waits for an earlier one before raising. Default 600.
+        stage_timeout_s: how long an async save waits for an earlier one before raising. Default 600;
+            ``math.inf``: no limit.
         persist_to: where to persist checkpoints: an fsspec URL (``s3://bucket/prefix``) or a directory, in
             the standard DCP layout. Default None: memory only. One that can never be written (refused
             credentials, missing bucket, mistyped URL) is a ValueError here.
@@ -178,7 +189,7 @@ class MemStore(PersistingStore, ReplicatingStore):
             else TCP, saying why), ``"tcp"`` or ``"rdma"`` (RuntimeError when replication starts on a node
             where no RDMA device opens).
         replication_timeout_s: how long a peer may stay silent before a transfer to or from it is given up
-            (and retried later). Default 30.
+            (and retried later). Default 30; ``math.inf``: no limit.
 
     The store object is picklable (DCP's PROCESS executor sends it to its checkpoint process with the
     writer); the persister and replication threads and the peer server stay with the original.
@@ -208,7 +219,7 @@ class MemStore(PersistingStore, ReplicatingStore):
         self.keep_in_memory = _positive_int("keep_in_memory", keep_in_memory)
         self.max_in_flight = _positive_int("max_in_flight", max_in_flight)
         self.io_threads = _positive_int(
-            "io_threads", io_threads if io_threads is not None else _default_io_threads()
+            "io_threads", io_threads if io_threads is not None else _default_io_threads(), MAX_IO_THREADS
         )
         self.verify_checksums = _flag("verify_checksums", verify_checksums)
         self.stage_timeout_s = _positive_seconds("stage_timeout_s", stage_timeout_s)

@@ -4,6 +4,7 @@ that leave nothing behind, concurrency, and errors that name the peer."""
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import struct
@@ -15,6 +16,7 @@ import time
 import pytest
 import torch.distributed as dist
 
+from dcp_memstore import MemStore
 from dcp_memstore.errors import InsufficientSpaceError
 from dcp_memstore.replication import PeerServer, ReplicationError, TcpTransport, wire
 from dcp_memstore.replication.auth import new_secret, sign_request
@@ -585,3 +587,36 @@ def test_the_servers_of_a_job_give_up_on_a_silent_peer_after_replication_timeout
         if service is not None:
             service.close()
         dist.destroy_process_group()
+
+
+def test_a_store_whose_timeouts_say_no_limit_replicates(local, tmp_path, shm_dir, peer_root):
+    """``stage_timeout_s=math.inf`` and ``replication_timeout_s=math.inf`` (no limit) reach the replication
+    service as the store passes them: the wait for the ranks' announcements, the server's socket timeouts
+    and a transfer work (sockets, locks and torch.distributed store waits refuse infinity itself)."""
+    no_limit = {"stage_timeout_s": math.inf, "replication_timeout_s": math.inf}
+    store = MemStore(root=shm_dir / "opts", job_id="j", **no_limit)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    service = None
+    try:
+        service = ReplicationService(
+            local,
+            NodeInfo(node_rank=0, nnodes=1, local_rank=0, local_world_size=1, rank=0, world_size=1),
+            k=0,
+            bind_host="127.0.0.1",
+            secret=None,
+            transport="tcp",
+            on_commit=lambda *a: None,
+            timeout_s=store.stage_timeout_s,
+            io_timeout_s=store.replication_timeout_s,
+            keep=2,
+        )
+        assert service.peers().server(0) == service.server.address
+        sender = StoreLayout(shm_dir / "sender", JOB)
+        sender.ensure()
+        with TcpTransport(JOB, service.secret, store.replication_timeout_s) as transport:
+            check_put_then_get(transport, service.server.address, sender, local.root, os.urandom(1 << 20))
+    finally:
+        if service is not None:
+            service.close()
+        dist.destroy_process_group()
+        store.close()
