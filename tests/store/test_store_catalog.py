@@ -19,11 +19,11 @@ from dcp_memstore.store.layout import (
     COMMITTED,
     INPROGRESS,
     SHARD_SUFFIX,
-    StoreLayout,
     reserve_name,
     shard_name,
 )
 from dcp_memstore.store.records import read_record, write_record
+from tests.liveness_tokens import dead_token
 
 
 def _committed_ids(layout):
@@ -219,7 +219,7 @@ def test_a_reservation_area_without_its_owner_record_yet_is_kept_while_its_proce
     pool = layout.pool_dir(0)
     pool.mkdir(parents=True)
     live = pool / reserve_name(0, liveness.own_token(layout), "aa11")
-    dead = pool / reserve_name(0, _dead_token(layout), "bb22")
+    dead = pool / reserve_name(0, dead_token(layout), "bb22")
     for area in (live, dead):
         area.mkdir()
         (area / shard_name(0, 0)).write_bytes(b"r" * 4096)
@@ -227,19 +227,6 @@ def test_a_reservation_area_without_its_owner_record_yet_is_kept_while_its_proce
     assert live.exists()
     assert not dead.exists()
     assert len(list(pool.glob(f"*{SHARD_SUFFIX}"))) == 1  # the dead one's file went into the pool
-
-
-def _dead_token(layout: StoreLayout) -> str:
-    """The liveness token of a process that took one and exited."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.write(write, liveness.own_token(layout).encode())
-        os._exit(0)
-    os.close(write)
-    os.waitpid(pid, 0)
-    with os.fdopen(read, "rb") as r:
-        return r.read().decode()
 
 
 @pytest.mark.parametrize(
