@@ -87,6 +87,7 @@ if str(REPO) not in sys.path:
 from benchmarks.bench_core import machine, run_record  # noqa: E402
 from benchmarks.bench_persist import Trainer, cpu_of, cpu_self, parallel, pct, spread, table  # noqa: E402
 from dcp_memstore import MemStore  # noqa: E402
+from dcp_memstore.store.layout import StoreLayout  # noqa: E402
 from tests.netns import Cluster, Node, cleanup_stale, netns_unavailable  # noqa: E402
 
 MIB = 1 << 20
@@ -298,7 +299,10 @@ def client_op(cmd: dict[str, Any], transport: Any, sink: RawSink) -> dict[str, f
         transport.put_file(addr, SOURCE_NODE, CKPT, Path(f).name, Path(f))
 
     def get(f: str) -> None:
-        transport.get_file(addr, CKPT, Path(f).name, dest / Path(f).name, source_node=SOURCE_NODE)
+        layout = StoreLayout(Path(cmd["root"]), JOB)  # the store whose process lock names the temporary
+        transport.get_file(
+            addr, CKPT, Path(f).name, dest / Path(f).name, source_node=SOURCE_NODE, layout=layout
+        )
 
     def raw_send(f: str) -> None:
         op = RAW_RECV_REUSE if cmd["reuse"] else RAW_RECV_NEW
@@ -509,7 +513,7 @@ def run_transfers(cluster: Cluster, args: argparse.Namespace, logs: Path) -> tup
     restore = [
         Step(
             GET,
-            {"cmd": "get", "addr": peer, "files": remote, "dest": str(a_ours), **common},
+            {"cmd": "get", "addr": peer, "files": remote, "dest": str(a_ours), "root": str(a.root), **common},
             [a_ours, a_new],
             a_ours,
         ),

@@ -119,7 +119,7 @@ class ReplicatingStore:
         control = self._control()
         if control is None:
             return None
-        cluster = ClusterCheckpoint(*control, cid)
+        cluster = ClusterCheckpoint(self.layout, *control, cid)
         return cluster if cluster.available else None
 
     def _peers_now(self) -> Peers:

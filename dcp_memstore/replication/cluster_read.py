@@ -16,7 +16,7 @@ from pathlib import Path
 from dcp_memstore.replication.peers import Peers
 from dcp_memstore.replication.tcp import TcpTransport
 from dcp_memstore.replication.transport import format_peer
-from dcp_memstore.store.layout import COMMITTED, MANIFEST
+from dcp_memstore.store.layout import COMMITTED, MANIFEST, StoreLayout
 from dcp_memstore.store.manifest import Manifest
 from dcp_memstore.store.threads import run_parallel
 
@@ -25,10 +25,14 @@ log = logging.getLogger(__name__)
 
 class ClusterCheckpoint:
     """Where the files of checkpoint ``checkpoint_id`` are in the job's memory, from asking every node's
-    server once (nodes that do not answer are left out, with a warning)."""
+    server once (nodes that do not answer are left out, with a warning). Files are fetched into this node's
+    store ``layout``."""
 
-    def __init__(self, peers: Peers, transport: TcpTransport, checkpoint_id: str) -> None:
-        self.peers, self.transport, self.checkpoint_id = peers, transport, checkpoint_id
+    def __init__(
+        self, layout: StoreLayout, peers: Peers, transport: TcpTransport, checkpoint_id: str
+    ) -> None:
+        self.layout, self.peers, self.transport = layout, peers, transport
+        self.checkpoint_id = checkpoint_id
         # file -> [(node, replica source node name, or None for the node's own copy)], nearest node first
         self.holders: dict[str, list[tuple[int, str | None]]] = {}
         self.committed_on: list[int] = []
@@ -66,7 +70,9 @@ class ClusterCheckpoint:
         for node in self.committed_on:
             addr = self.peers.server(node)
             try:
-                self.transport.get_file(addr, self.checkpoint_id, MANIFEST, dest_dir / MANIFEST)
+                self.transport.get_file(
+                    addr, self.checkpoint_id, MANIFEST, dest_dir / MANIFEST, layout=self.layout
+                )
                 return Manifest.read(dest_dir / MANIFEST, self.checkpoint_id)
             except (ConnectionError, TimeoutError, OSError, RuntimeError, ValueError) as e:
                 errors.append(f"{format_peer(addr)}: {e}")
@@ -94,7 +100,7 @@ class ClusterCheckpoint:
                 continue
             addr = self.peers.server(node)
             try:
-                self.transport.get_file(addr, self.checkpoint_id, file, dest, source)
+                self.transport.get_file(addr, self.checkpoint_id, file, dest, source, layout=self.layout)
                 return (node, source)
             except (ConnectionError, TimeoutError, OSError, RuntimeError) as e:
                 errors.append(f"{format_peer(addr)}: {e}")

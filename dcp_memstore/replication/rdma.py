@@ -95,6 +95,7 @@ from dcp_memstore.replication.transport import (
 )
 from dcp_memstore.store.checksum import checksum_bytes
 from dcp_memstore.store.ids import validate_name
+from dcp_memstore.store.layout import StoreLayout
 
 log = logging.getLogger(__name__)
 
@@ -290,15 +291,17 @@ class RdmaTransport(Transport):
         file: str,
         dest_path: Path,
         source_node: str | None = None,
+        *,
+        layout: StoreLayout,
     ) -> None:
         checkpoint, file, source_node = checked_names(checkpoint, file, source_node)
         peer = (peer_addr[0], int(peer_addr[1]))
         if not self._peer_over_tcp(peer):
             with self._fallback_to_tcp(peer) as use_tcp:
-                self._get(peer, checkpoint, file, Path(dest_path), source_node)
+                self._get(peer, checkpoint, file, Path(dest_path), source_node, layout)
             if not use_tcp:
                 return
-        self.tcp.get_file(peer, checkpoint, file, dest_path, source_node)
+        self.tcp.get_file(peer, checkpoint, file, dest_path, source_node, layout=layout)
 
     def close(self) -> None:
         """Refuse new calls, end those in flight (their TCP connections are shut down and their completion
@@ -338,7 +341,13 @@ class RdmaTransport(Transport):
                     session.close()  # before the source mapping goes
 
     def _get(
-        self, peer: PeerAddress, checkpoint: str, file: str, dest: Path, source_node: str | None
+        self,
+        peer: PeerAddress,
+        checkpoint: str,
+        file: str,
+        dest: Path,
+        source_node: str | None,
+        layout: StoreLayout,
     ) -> None:
         where = "its own copy" if source_node is None else f"its replica of node {source_node}"
         what = f"fetching file {file} of checkpoint {checkpoint} from {where} by RDMA"
@@ -348,7 +357,7 @@ class RdmaTransport(Transport):
                 fields = {"checkpoint": checkpoint, "file": file, "source": source_node}
                 _, reply = self._request(call, "rdma_get", {**fields, "qp": session.info.to_wire()})
                 size = reply["size"]
-                with IncomingFile(dest, size) as incoming:  # refused here (no space): nothing is read
+                with IncomingFile(dest, size, layout) as incoming:  # refused here (no space): nothing is read
                     try:
                         if size:
                             remote = self._remote_qp(call, reply)

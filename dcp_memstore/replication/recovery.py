@@ -93,7 +93,7 @@ def restore(
     ``record`` (committed_at, seq, nbytes), ``before_commit`` called first (holds placed there are in place
     when it becomes visible). Returns the bytes fetched. Raises FileNotFoundError if a file is held by no
     reachable node (nothing is committed then)."""
-    cluster = ClusterCheckpoint(peers, transport, checkpoint_id)
+    cluster = ClusterCheckpoint(layout, peers, transport, checkpoint_id)
     stale = layout.checkpoint_dir(checkpoint_id)
     if stale.exists():
         catalog.discard(layout, stale)

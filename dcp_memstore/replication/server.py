@@ -137,7 +137,7 @@ class PeerServer:
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._closing = False
-        removed = remove_stale_parts(self.layout.replicas_dir)
+        removed = remove_stale_parts(self.layout, self.layout.replicas_dir)
         if removed:
             log.info("removed %d partial replica files left by crashed transfers", removed)
         self._listener = _listen(bind_host, port)
@@ -306,7 +306,7 @@ class PeerServer:
         dest = self.layout.replica_dir(source, checkpoint)
         try:
             dest.mkdir(parents=True, exist_ok=True)
-            incoming = IncomingFile(dest / file, size)
+            incoming = IncomingFile(dest / file, size, self.layout)
         except InsufficientSpaceError as e:
             raise _Refusal("no_space", str(e)) from None
         except OSError as e:

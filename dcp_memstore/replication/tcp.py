@@ -32,6 +32,7 @@ from dcp_memstore.replication.transport import (
     format_peer,
 )
 from dcp_memstore.store.ids import validate_name
+from dcp_memstore.store.layout import StoreLayout
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -165,9 +166,13 @@ class TcpTransport(Transport):
         file: str,
         dest_path: Path,
         source_node: str | None = None,
+        *,
+        layout: StoreLayout,
     ) -> None:
         with self._get(peer_addr, checkpoint, file, source_node, 0, None) as (call, size):
-            incoming = IncomingFile(Path(dest_path), size)  # refused here (no space): nothing is received
+            incoming = IncomingFile(
+                Path(dest_path), size, layout
+            )  # refused here (no space): nothing is received
             with incoming:
                 self._receive(call, incoming.view)
                 incoming.commit()

@@ -7,7 +7,9 @@ retries nothing itself; the caller (the replicator) decides what to retry and wh
 Received bytes land in an ``IncomingFile``: a hidden temporary file next to the final path, allocated to its
 full size first (a full tmpfs is an error then, never a SIGBUS later), mapped, filled straight from the
 network, and renamed into place only after its checksum matched. Readers never see a partial file, and a
-failed transfer leaves nothing behind.
+failed transfer leaves nothing behind. A process killed mid-transfer leaves its temporary file, whose name
+holds the process's liveness token in the store (``store/liveness.py``), not its pid: ``remove_stale_parts``
+judges it by that token's lock, which holds across PID namespaces (containers sharing the tmpfs).
 """
 
 from __future__ import annotations
@@ -16,15 +18,16 @@ import contextlib
 import ctypes
 import mmap
 import os
-import re
 import stat
 import uuid
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
+from dcp_memstore.store import liveness
 from dcp_memstore.store.checksum import memory_view
 from dcp_memstore.store.ids import validate_file_name, validate_name
+from dcp_memstore.store.layout import StoreLayout, part_name, part_owner
 from dcp_memstore.store.mapping import MAPPINGS, MappedFile
 from dcp_memstore.store.space import allocate_file, check_space
 
@@ -42,7 +45,6 @@ _libc.mmap.argtypes = [
     ctypes.c_long,
 ]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_PART_RE = re.compile(r"\..+\.part-(\d+)-[0-9a-f]{8}")
 
 
 def format_peer(peer: PeerAddress) -> str:
@@ -92,9 +94,12 @@ class Transport(ABC):
         file: str,
         dest_path: Path,
         source_node: str | None = None,
+        *,
+        layout: StoreLayout,
     ) -> None:
         """Fetch file ``file`` of checkpoint ``checkpoint`` from the peer (its own copy, or with
-        ``source_node`` its replica of that node's) to ``dest_path``, which appears only once verified."""
+        ``source_node`` its replica of that node's) to ``dest_path``, which appears only once verified.
+        ``layout``: the store ``dest_path`` is in (see ``IncomingFile``)."""
 
     @abstractmethod
     def stat(self, peer_addr: PeerAddress, checkpoint: str) -> dict:
@@ -140,11 +145,15 @@ class IncomingFile:
     without a commit (or ``abort()``) deletes it. Either way the mapping is dropped (the process's mapping
     cache never holds received files, so they cost no descriptors once written).
 
-    Raises InsufficientSpaceError (and leaves nothing) if ``size`` bytes do not fit."""
+    ``layout`` is the store ``path`` is in: the temporary file's name holds this process's liveness token
+    there (``part_name`` in ``store/layout.py``), so that a cleanup in any process of the store can tell
+    whether its writer still runs. Raises InsufficientSpaceError (and leaves nothing) if ``size`` bytes do
+    not fit."""
 
-    def __init__(self, path: Path, size: int) -> None:
+    def __init__(self, path: Path, size: int, layout: StoreLayout) -> None:
         self.path, self.size = Path(path), size
-        self.tmp = self.path.with_name(f".{self.path.name}.part-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        owner = liveness.own_token(layout)
+        self.tmp = self.path.with_name(part_name(self.path.name, owner, uuid.uuid4().hex[:8]))
         self._range: FileRange | None = None
         self._done = False
         check_space(self.path.parent, size)
@@ -258,25 +267,16 @@ def list_files(directory: Path | str) -> dict[str, int]:
     return files
 
 
-def remove_stale_parts(directory: Path) -> int:
+def remove_stale_parts(layout: StoreLayout, directory: Path) -> int:
     """Delete temporary files of transfers whose receiving process is gone (a crash mid-transfer) anywhere
-    under ``directory``; return how many. Files of live processes (another rank's server) are kept."""
+    under ``directory`` of store ``layout``; return how many. Files of live processes (another rank's
+    server, in this container or another one) are kept: each is judged by the liveness token in its name."""
     removed = 0
     for dirpath, _, names in os.walk(directory):
         for name in names:
-            m = _PART_RE.fullmatch(name)
-            if m and not _pid_alive(int(m.group(1))):
+            owner = part_owner(name)
+            if owner is not None and not liveness.alive(layout, owner):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(dirpath, name))
                     removed += 1
     return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

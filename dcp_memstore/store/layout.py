@@ -12,6 +12,7 @@
     <root>/<job_id>/trash/                         checkpoints being evicted or cleared
     <root>/<job_id>/replicas/<node>/<checkpoint_id>/   replicas of other nodes' shard files
     <root>/<job_id>/fetched/<checkpoint_id>/       files fetched from other nodes to read them here
+    .../.<file>.part-<token>-<hex>                 a file being received (see ``part_name``)
 
 A checkpoint directory is visible to readers only once its COMMITTED marker exists.
 """
@@ -35,6 +36,7 @@ OWNER_TOKEN = r"p\d+-[0-9a-f]{12}"
 _SLOT_RE = re.compile(rf"r(\d+)-({OWNER_TOKEN})-s(\d+)-[0-9a-f]+")
 _NEW_RE = re.compile(rf"\.new-({OWNER_TOKEN})-[0-9a-f]+")
 _RESERVE_RE = re.compile(rf"reserve-r\d+-({OWNER_TOKEN})-[0-9a-f]+")
+_PART_RE = re.compile(rf"\..+\.part-({OWNER_TOKEN})-[0-9a-f]{{8}}")
 
 
 def shard_name(rank: int, index: int) -> str:
@@ -90,6 +92,20 @@ def name_owner(name: str) -> str | None:
     if slot is not None:
         return slot[1]
     m = _NEW_RE.fullmatch(name) or _RESERVE_RE.fullmatch(name)
+    return m.group(1) if m else None
+
+
+def part_name(name: str, owner: str, token: str) -> str:
+    """Name of the hidden temporary file that a transfer into file ``name`` fills before renaming it into
+    place, made by the process whose liveness token is ``owner``; ``token``: 8 hex digits. At most 37
+    characters longer than ``name`` (store names are at most 128), so within a file name's 255."""
+    return f".{name}.part-{owner}-{token}"
+
+
+def part_owner(name: str) -> str | None:
+    """The liveness token in the name of a transfer's temporary file (``part_name``), or None if ``name``
+    is not one."""
+    m = _PART_RE.fullmatch(name)
     return m.group(1) if m else None
 
 

@@ -29,13 +29,15 @@ from pathlib import Path
 from dcp_memstore.replication.tcp import TcpTransport
 from dcp_memstore.replication.transport import ReplicationError
 from dcp_memstore.replication import wire
+from dcp_memstore.store.layout import StoreLayout
+mine = StoreLayout(Path(sys.argv[3]).parent, "mn")  # where a fetched file would land (none does)
 peer = (sys.argv[1], int(sys.argv[2]))
 t = TcpTransport("mn", b"not the job's secret, 32 bytes!!", timeout_s=5)
 src = Path(sys.argv[3]); src.write_bytes(b"evil" * 100)
 attempts = {
     "ping": lambda: t.ping(peer),
     "stat": lambda: t.stat(peer, "step-2"),
-    "get": lambda: t.get_file(peer, "step-2", "__0_0.shard", src.with_name("stolen")),
+    "get": lambda: t.get_file(peer, "step-2", "__0_0.shard", src.with_name("stolen"), layout=mine),
     "put": lambda: t.put_file(peer, "node9", "step-2", "__0_0.shard", src),
     "commit": lambda: t.commit(peer, "step-9", "prepare", {"seq": 9, "committed_at": 1.0, "nbytes": 0}, b"m"),
 }

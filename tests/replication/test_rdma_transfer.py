@@ -163,13 +163,15 @@ def test_get_own_committed_copy_and_refusals_before_registration(fabric, server,
     data = os.urandom(3 * PIECE + 5)
     make_file(peer, "step-7", shard_name(3, 1), data)
     with pytest.raises(ReplicationError, match="not committed") as e:
-        transport.get_file(server.address, "step-7", shard_name(3, 1), local.job_dir / "a")
+        transport.get_file(server.address, "step-7", shard_name(3, 1), local.job_dir / "a", layout=local)
     assert e.value.code == "not_found" and fabric.registrations == []
     with pytest.raises(ReplicationError, match="no file nope") as e:
-        transport.get_file(server.address, "step-7", "nope", local.job_dir / "a", source_node="node0")
+        transport.get_file(
+            server.address, "step-7", "nope", local.job_dir / "a", source_node="node0", layout=local
+        )
     assert e.value.code == "not_found" and fabric.registrations == []
     make_file(peer, "step-7", COMMITTED, b"")
-    transport.get_file(server.address, "step-7", shard_name(3, 1), local.job_dir / "a")
+    transport.get_file(server.address, "step-7", shard_name(3, 1), local.job_dir / "a", layout=local)
     assert (local.job_dir / "a").read_bytes() == data
     assert fetched(local) == ["a"]
 
@@ -221,7 +223,7 @@ def test_completion_error_on_get_leaves_no_file(
     make_file(StoreLayout(peer_root, JOB), "step-1", COMMITTED, b"")
     fabric.fail_status = E.IBV_WC_RETRY_EXC_ERR
     with pytest.raises(ReplicationError, match="RDMA read failed.*IBV_WC_RETRY_EXC_ERR") as e:
-        transport.get_file(server.address, "step-1", "f", local.job_dir / "x")
+        transport.get_file(server.address, "step-1", "f", local.job_dir / "x", layout=local)
     assert e.value.code == "rdma"
     assert fetched(local) == []
 
@@ -239,7 +241,7 @@ def test_peer_rdma_never_reaches_goes_over_tcp(fabric, server, transport, local,
         transport.put_file(server.address, "node0", "s", "g", src)
         assert (StoreLayout(peer_root, JOB).replica_dir("node0", "s") / "g").read_bytes() == data
     else:
-        transport.get_file(server.address, "s", "f", local.job_dir / "x")
+        transport.get_file(server.address, "s", "f", local.job_dir / "x", layout=local)
         assert (local.job_dir / "x").read_bytes() == data
     assert "RDMA does not reach this peer" in transport.tcp_peers()[server.address]
     ops = len(fabric.ops)
@@ -261,7 +263,7 @@ def test_never_completing_work_times_out(fabric, secret, server, local, peer_roo
         if op == "put":
             t.put_file(server.address, "node0", "s", "f", src)
         else:
-            t.get_file(server.address, "s", "f", local.job_dir / "x")
+            t.get_file(server.address, "s", "f", local.job_dir / "x", layout=local)
     assert time.monotonic() - start < 5
     assert fetched(local) == []
     wait_for(lambda: not fabric.live_of(fabric.classes.MR))  # both sides deregistered
@@ -288,7 +290,7 @@ def test_wrong_rkey_or_range_refused_by_the_adapter(
         if op == "rdma_put":
             transport.put_file(server.address, "node0", "s", "g", src)
         else:
-            transport.get_file(server.address, "s", "f", local.job_dir / "x")
+            transport.get_file(server.address, "s", "f", local.job_dir / "x", layout=local)
     assert e.value.code == "rdma"
     assert fetched(local) == []
     wait_for(lambda: no_replicas(peer_root))
@@ -310,7 +312,7 @@ def test_corrupt_trailer_or_announced_checksum_keeps_nothing(
     make_file(StoreLayout(peer_root, JOB), "s", "g", os.urandom(PIECE))
     tamper_replies(monkeypatch, "rdma_get", lambda r: {**r, "checksum": r["checksum"] ^ 1})
     with pytest.raises(ReplicationError, match="do not match") as e:
-        transport.get_file(server.address, "s", "g", local.job_dir / "x")
+        transport.get_file(server.address, "s", "g", local.job_dir / "x", layout=local)
     assert e.value.code == "checksum" and fetched(local) == []
 
 
@@ -348,7 +350,7 @@ def test_server_without_rdma_means_tcp_for_that_peer_logged_once(
     with PeerServer(peer_root, JOB, secret, "127.0.0.1") as plain:  # no RDMA endpoint
         transport.put_file(plain.address, "node0", "s", "f", src)
         transport.put_file(plain.address, "node0", "s", "f", src)
-        transport.get_file(plain.address, "s", "f", local.job_dir / "back", source_node="node0")
+        transport.get_file(plain.address, "s", "f", local.job_dir / "back", source_node="node0", layout=local)
         peer = ("127.0.0.1", plain.address[1])
         assert set(transport.tcp_peers()) == {peer}
         assert "rdma_unavailable" in transport.tcp_peers()[peer]
@@ -391,7 +393,7 @@ def test_auth_failures_refused_before_any_registration(fabric, server, local, pe
             intruder.put_file(server.address, "node0", "s", "f", src)
         assert e.value.code == "auth"
         with pytest.raises(ReplicationError) as e:
-            intruder.get_file(server.address, "s", "f", local.job_dir / "x")
+            intruder.get_file(server.address, "s", "f", local.job_dir / "x", layout=local)
         assert e.value.code == "auth"
     assert fabric.registrations == []  # not the server, not even the intruder's own source
     assert fabric.qps_created == 2  # only the intruder's own queue pairs: the server made none
@@ -462,5 +464,5 @@ def test_tcp_transport_and_tcp_ops_unchanged_with_an_rdma_server(fabric, server,
     src = make_file(local, "s", "f", data)
     with TcpTransport(JOB, secret) as t:
         t.put_file(server.address, "node0", "s", "f", src)
-        t.get_file(server.address, "s", "f", local.job_dir / "b", source_node="node0")
+        t.get_file(server.address, "s", "f", local.job_dir / "b", source_node="node0", layout=local)
     assert (local.job_dir / "b").read_bytes() == data and fabric.ops == []

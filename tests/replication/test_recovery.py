@@ -16,8 +16,8 @@ from dcp_memstore.replication.peers import Peers
 from dcp_memstore.replication.placement import NodeInfo
 from dcp_memstore.replication.recovery import inventory, readable, resync, unheld
 from dcp_memstore.replication.replicator import REPLICA_HOLD, ReplicaRecords, node_files, to
-from dcp_memstore.store import catalog
-from dcp_memstore.store.layout import MANIFEST
+from dcp_memstore.store import catalog, liveness
+from dcp_memstore.store.layout import MANIFEST, part_name
 from dcp_memstore.store.manifest import Manifest
 
 SECRET = b"s" * 32
@@ -52,7 +52,8 @@ def test_inventory_lists_own_files_and_replicas(store):
     rdir = store.layout.replica_dir("node1", "s1")
     rdir.mkdir(parents=True)
     (rdir / "__1_0.shard").write_bytes(b"x" * 10)
-    (rdir / ".__1_1.shard.part-1-abcdef12").write_bytes(b"partial")  # a transfer in flight: not held
+    in_flight = part_name("__1_1.shard", liveness.own_token(store.layout), "abcdef12")
+    (rdir / in_flight).write_bytes(b"partial")  # a transfer in flight: not held
     inv = inventory(store.layout)
     ((cid, _, seq, _, listed),) = inv["committed"]
     assert (cid, seq) == ("s1", 1) and set(listed) == set(inv["own"]["s1"])

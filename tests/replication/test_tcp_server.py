@@ -4,15 +4,21 @@ that leave nothing behind, concurrency, and errors that name the peer."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import shutil
+import signal
 import socket
 import struct
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
+import psutil
 import pytest
 import torch.distributed as dist
 
@@ -22,7 +28,10 @@ from dcp_memstore.replication import PeerServer, ReplicationError, TcpTransport,
 from dcp_memstore.replication.auth import new_secret, sign_request
 from dcp_memstore.replication.placement import NodeInfo
 from dcp_memstore.replication.service import ReplicationService
-from dcp_memstore.store.layout import COMMITTED, StoreLayout, shard_name
+from dcp_memstore.store import liveness
+from dcp_memstore.store.checksum import checksum_bytes
+from dcp_memstore.store.layout import COMMITTED, StoreLayout, part_name, shard_name
+from tests.liveness_tokens import dead_token
 from tests.replication.transfer_helpers import (
     JOB,
     check_concurrent_puts,
@@ -99,12 +108,12 @@ def test_get_from_own_checkpoint_dir_and_empty_file(server, transport, peer_root
     make_file(peer, "step-7", shard_name(3, 1), data)
     make_file(peer, "step-7", "empty.bin", b"")
     with pytest.raises(ReplicationError, match="not committed") as e:  # a save still in progress there
-        transport.get_file(server.address, "step-7", shard_name(3, 1), local.job_dir / "a")
+        transport.get_file(server.address, "step-7", shard_name(3, 1), local.job_dir / "a", layout=local)
     assert e.value.code == "not_found" and not (local.job_dir / "a").exists()
     make_file(peer, "step-7", COMMITTED, b"")
-    transport.get_file(server.address, "step-7", shard_name(3, 1), local.job_dir / "a")
+    transport.get_file(server.address, "step-7", shard_name(3, 1), local.job_dir / "a", layout=local)
     assert (local.job_dir / "a").read_bytes() == data
-    transport.get_file(server.address, "step-7", "empty.bin", local.job_dir / "b")
+    transport.get_file(server.address, "step-7", "empty.bin", local.job_dir / "b", layout=local)
     assert (local.job_dir / "b").read_bytes() == b""
     empty = make_file(local, "step-7", "e", b"")
     transport.put_file(server.address, "node0", "step-7", "e", empty)
@@ -269,7 +278,7 @@ def test_path_tricks_refused_by_client_before_sending(transport, server, local):
         with pytest.raises(ValueError):
             transport.put_file(server.address, "node0", bad, "f", src)
         with pytest.raises(ValueError):
-            transport.get_file(server.address, "step-1", bad, local.job_dir / "x")
+            transport.get_file(server.address, "step-1", bad, local.job_dir / "x", layout=local)
 
 
 def test_symlink_in_checkpoint_dir_not_followed(server, transport, peer_root, local):
@@ -280,7 +289,7 @@ def test_symlink_in_checkpoint_dir_not_followed(server, transport, peer_root, lo
     (peer.checkpoint_dir("step-1") / "link").symlink_to(outside)
     make_file(peer, "step-1", COMMITTED, b"")
     with pytest.raises(ReplicationError) as e:
-        transport.get_file(server.address, "step-1", "link", local.job_dir / "x")
+        transport.get_file(server.address, "step-1", "link", local.job_dir / "x", layout=local)
     assert e.value.code == "io_error"
     assert not (local.job_dir / "x").exists()
 
@@ -289,10 +298,12 @@ def test_get_missing_file_and_bad_range(server, transport, peer_root, local):
     make_file(StoreLayout(peer_root, JOB), "step-1", "f", b"0123456789")
     make_file(StoreLayout(peer_root, JOB), "step-1", COMMITTED, b"")
     with pytest.raises(ReplicationError, match="no file nope") as e:
-        transport.get_file(server.address, "step-1", "nope", local.job_dir / "x")
+        transport.get_file(server.address, "step-1", "nope", local.job_dir / "x", layout=local)
     assert e.value.code == "not_found"
     with pytest.raises(ReplicationError) as e:
-        transport.get_file(server.address, "step-1", "f", local.job_dir / "x", source_node="node9")
+        transport.get_file(
+            server.address, "step-1", "f", local.job_dir / "x", source_node="node9", layout=local
+        )
     assert e.value.code == "not_found"
     with pytest.raises(ReplicationError, match="outside") as e:
         transport.read_range(server.address, "step-1", "f", 8, memoryview(bytearray(3)))
@@ -368,7 +379,14 @@ def test_full_tmpfs_gives_a_clean_error_and_the_server_keeps_serving(small_tmpfs
         assert t.stat(server.address, "step-2")["replicas"] == {"node0": {"small": 100_000}}
         # And a full destination on the fetching side: an error before any byte lands, nothing left.
         with pytest.raises(InsufficientSpaceError):
-            t.get_file(server.address, "step-1", "six", small_tmpfs / "fetched", source_node="node0")
+            t.get_file(
+                server.address,
+                "step-1",
+                "six",
+                small_tmpfs / "fetched",
+                source_node="node0",
+                layout=StoreLayout(small_tmpfs, JOB),
+            )
         assert sorted(files_under(small_tmpfs)) == [
             f"{JOB}/replicas/node0/step-1/six",
             f"{JOB}/replicas/node0/step-2/small",
@@ -484,16 +502,104 @@ def test_close_ends_transfers_in_flight_and_leaves_nothing(peer_root, secret):
 
 
 def test_stale_temporaries_of_dead_processes_removed_at_start(peer_root, secret):
-    d = StoreLayout(peer_root, JOB).replica_dir("node0", "step-1")
+    peer = StoreLayout(peer_root, JOB)
+    d = peer.replica_dir("node0", "step-1")
     d.mkdir(parents=True)
-    dead = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
-    )
-    (d / f".f.part-{int(dead.stdout)}-0123abcd").write_bytes(b"x")
-    (d / f".g.part-{os.getpid()}-0123abcd").write_bytes(b"x")  # a live transfer of this process
-    (d / "kept").write_bytes(b"x")
+    dead = part_name("f", dead_token(peer), "0123abcd")
+    live = part_name("g", liveness.own_token(peer), "0123abcd")  # a live transfer of this process
+    for name in (dead, live, "kept"):
+        (d / name).write_bytes(b"x")
     with PeerServer(peer_root, JOB, secret, "127.0.0.1"):
-        assert sorted(os.listdir(d)) == [f".g.part-{os.getpid()}-0123abcd", "kept"]
+        assert sorted(os.listdir(d)) == [live, "kept"]
+
+
+# A peer server of the job in a PID namespace of its own (a container sharing this node's tmpfs): prints
+# its pid there and its port, then serves until killed.
+_SERVER_ELSEWHERE = """
+import os, sys, time
+from dcp_memstore.replication import PeerServer
+server = PeerServer(sys.argv[1], "job", bytes.fromhex(sys.argv[2]), "127.0.0.1", io_timeout_s=120)
+print(os.getpid(), server.address[1], flush=True)
+time.sleep(600)
+"""
+needs_unshare = pytest.mark.skipif(
+    shutil.which("unshare") is None or os.geteuid() != 0, reason="needs unshare and root"
+)
+
+
+@contextlib.contextmanager
+def server_elsewhere(root: Path, secret: bytes, pid: int) -> Iterator[tuple[subprocess.Popen, int, int]]:
+    """Run a ``PeerServer`` on ``root`` in a new PID namespace, as pid ``pid`` there; yields the namespace
+    (the ``unshare`` process: it exits with the server's status), the server's pid here and its port."""
+    box = subprocess.Popen(
+        # a shell as the namespace's pid 1 (which ignores its own SIGKILL) makes the server's pid the
+        # next after the one it writes, and reports how the server ended
+        ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "sh", "-c"]
+        + ['echo "$1" > /proc/sys/kernel/ns_last_pid; shift; "$@"; exit $?', "sh", str(pid - 1)]
+        + [sys.executable, "-c", _SERVER_ELSEWHERE, str(root), secret.hex()],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        there, port = map(int, box.stdout.readline().split())
+        assert there == pid, f"the server is pid {there} in its namespace, not {pid}"
+        (here,) = [p.pid for p in psutil.Process(box.pid).children(recursive=True) if p.name() != "sh"]
+        yield box, here, port
+    finally:
+        box.kill()  # and, by --kill-child, the namespace
+        box.wait()
+        box.stdout.close()
+
+
+def _put_half(address: tuple[str, int], secret: bytes, data: bytes) -> socket.socket:
+    """Start a put of ``data`` as node0's replica of ``step-1``'s first shard and send its first half; the
+    connection, to finish it on."""
+    s = socket.create_connection(address, timeout=10)
+    wire.send_header(s, put_header(secret, len(data)))
+    assert wire.recv_header(s)["ok"] is True  # the temporary file is made
+    s.sendall(data[: len(data) // 2])
+    return s
+
+
+@needs_unshare
+def test_a_transfer_killed_in_another_container_leaves_a_temporary_that_is_removed(peer_root, secret):
+    """A server killed mid-transfer in another PID namespace left a temporary file judged by its pid there:
+    that pid is a live process here (this test's own pid), so the file, and its memory, were kept until the
+    checkpoint's replicas went. Its name holds the server's lock token now, released by its death."""
+    d = StoreLayout(peer_root, JOB).replica_dir("node0", "step-1")
+    with (
+        server_elsewhere(peer_root, secret, os.getpid()) as (box, writer, port),
+        _put_half(("127.0.0.1", port), secret, os.urandom(2 * MiB)),
+    ):
+        os.kill(writer, signal.SIGKILL)
+        assert box.wait(timeout=30) == 128 + signal.SIGKILL
+    (left,) = os.listdir(d)
+    assert ".part-" in left
+    with PeerServer(peer_root, JOB, secret, "127.0.0.1"):  # a server of the job starts here
+        assert os.listdir(d) == []
+
+
+@needs_unshare
+def test_a_transfer_running_in_another_container_keeps_its_temporary(peer_root, secret):
+    """A server starting here removes the temporaries of dead transfers only: one of a server in another
+    PID namespace, whose pid there is no process here, was taken for dead and removed, and that transfer
+    failed. It is judged by its lock token now, and completes."""
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    free = next(p for p in range(pid_max - 1, 300, -1) if not psutil.pid_exists(p))
+    d = StoreLayout(peer_root, JOB).replica_dir("node0", "step-1")
+    data = os.urandom(2 * MiB)
+    with (
+        server_elsewhere(peer_root, secret, free) as (_, _, port),
+        _put_half(("127.0.0.1", port), secret, data) as s,
+    ):
+        (part,) = os.listdir(d)
+        with PeerServer(peer_root, JOB, secret, "127.0.0.1"):  # a server of the job starts here
+            assert os.listdir(d) == [part]
+        s.sendall(data[len(data) // 2 :])
+        wire.send_trailer(s, checksum_bytes(data))
+        reply = wire.recv_header(s)
+    assert reply["ok"] is True, reply
+    assert os.listdir(d) == [shard_name(0, 0)] and (d / shard_name(0, 0)).read_bytes() == data
 
 
 def test_bind_address_and_layout_argument(peer_root, secret):

@@ -23,8 +23,10 @@ def make_file(layout: StoreLayout, checkpoint: str, name: str, data: bytes) -> P
 
 
 def files_under(root: Path) -> list[str]:
-    """Every file below ``root`` (hidden temporaries included), relative to it."""
-    return sorted(os.path.relpath(os.path.join(dp, n), root) for dp, _, names in os.walk(root) for n in names)
+    """Every file below ``root`` (hidden temporaries included), relative to it, but the stores' process
+    lock files (``<job>/procs/``: a process that received a file holds one for its life)."""
+    paths = (os.path.relpath(os.path.join(dp, n), root) for dp, _, names in os.walk(root) for n in names)
+    return sorted(p for p in paths if Path(p).parts[1:2] != ("procs",))
 
 
 def check_put_then_get(
@@ -39,7 +41,7 @@ def check_put_then_get(
     assert files_under(peer_root) == [f"{JOB}/replicas/node0/step-1/{shard_name(0, 0)}"]  # no temporaries
 
     back = local.job_dir / "restored.shard"
-    transport.get_file(address, "step-1", shard_name(0, 0), back, source_node="node0")
+    transport.get_file(address, "step-1", shard_name(0, 0), back, source_node="node0", layout=local)
     assert back.read_bytes() == data
 
 
