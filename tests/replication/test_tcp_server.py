@@ -30,6 +30,7 @@ from dcp_memstore.replication.placement import NodeInfo
 from dcp_memstore.replication.service import ReplicationService
 from dcp_memstore.store import liveness
 from dcp_memstore.store.checksum import checksum_bytes
+from dcp_memstore.store.ids import MAX_ID_LENGTH
 from dcp_memstore.store.layout import COMMITTED, StoreLayout, part_name, shard_name
 from tests.liveness_tokens import dead_token
 from tests.replication.transfer_helpers import (
@@ -359,6 +360,15 @@ def test_malformed_and_unknown_requests_refused(server, secret, peer_root):
     s.sendall(wire.PREFIX + struct.pack(">I", len(body)) + body)
     refused(s, "bad_request")
     assert files_under(peer_root) == []
+
+
+def test_the_longest_file_name_is_received_both_ways(server, transport, local, peer_root):
+    """A received file's temporary name is longer than the file's (it names the receiving process): it
+    still fits the file system's limit for the longest name a checkpoint file may have."""
+    name = "f" * MAX_ID_LENGTH
+    transport.put_file(server.address, "node0", "step-1", name, make_file(local, "step-1", name, b"x"))
+    transport.get_file(server.address, "step-1", name, local.job_dir / name, "node0", layout=local)
+    assert (local.job_dir / name).read_bytes() == b"x"
 
 
 def test_full_tmpfs_gives_a_clean_error_and_the_server_keeps_serving(small_tmpfs, shm_dir, secret):
