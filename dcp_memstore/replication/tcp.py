@@ -170,9 +170,8 @@ class TcpTransport(Transport):
         layout: StoreLayout,
     ) -> None:
         with self._get(peer_addr, checkpoint, file, source_node, 0, None) as (call, size):
-            incoming = IncomingFile(
-                Path(dest_path), size, layout
-            )  # refused here (no space): nothing is received
+            # refused here (no space): nothing is received
+            incoming = IncomingFile(Path(dest_path), size, layout)
             with incoming:
                 self._receive(call, incoming.view)
                 incoming.commit()
