@@ -268,9 +268,9 @@ def megatron_job(rank: int, world: int, root: str, ckpts: str) -> dict[str, Any]
 
 
 def run_megatron_job(
-    fn: Callable, dirs: Iterable[str], timeout: float = JOB_TIMEOUT_S
+    fn: Callable, dirs: Iterable[str], *args: Any, timeout: float = JOB_TIMEOUT_S
 ) -> Iterator[list[dict[str, Any]]]:
-    """For a module's fixture: run ``fn(rank, world, root, ckpts)`` once on WORLD gloo ranks, where
+    """For a module's fixture: run ``fn(rank, world, root, ckpts, *args)`` once on WORLD gloo ranks, where
     ``ckpts`` holds the empty checkpoint directories ``dirs`` (Megatron wants checkpoint_dir to exist);
     yield the ranks' reports (failing if the job fails or outlasts ``timeout``), then remove everything."""
     m = MultiProc()
@@ -278,7 +278,7 @@ def run_megatron_job(
         ckpts = m.workdir / "ckpts"
         for name in dirs:
             (ckpts / name).mkdir(parents=True)
-        yield m.start(fn, WORLD, str(m.root), str(ckpts)).check(timeout=timeout)
+        yield m.start(fn, WORLD, str(m.root), str(ckpts), *args).check(timeout=timeout)
     finally:
         m.close()
 
