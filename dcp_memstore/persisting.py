@@ -88,22 +88,15 @@ class PersistingStore:
     def _local_persist_status(self, cid: str, url: str) -> CheckpointStatus | None:
         """The upload state of ``cid`` from its records in memory; None if it was evicted while reading."""
         progress = Progress(self.layout, cid, self.target.url)
-        owed = progress.owed()  # before persisted(): publication writes PERSISTED, then drops the hold
+        state, error = progress.upload_state()
         local_dir = self.layout.checkpoint_dir(cid)
         try:
             files = len(node_share(local_dir, Manifest.read(local_dir / MANIFEST).files))
         except FileNotFoundError:
             return None
         counts = {"files_uploaded": min(files, len(progress.done_files())), "files_total": files}
-        if progress.persisted():
-            return CheckpointStatus(cid, True, "persisted", persisted_url=url, **counts)
-        if not owed:
-            return CheckpointStatus(cid, True, "not requested", **counts)
-        states = {s.get("state"): s.get("error") for s in progress.states()}
-        for state in ("failed", "retrying", "uploading"):
-            if state in states:
-                return CheckpointStatus(cid, True, state, error=states[state], **counts)
-        return CheckpointStatus(cid, True, "queued", **counts)
+        published = url if state == "persisted" else None
+        return CheckpointStatus(cid, True, state, error=error, persisted_url=published, **counts)
 
     def wait_persisted(self, checkpoint_id: str, timeout: float | None = None) -> CheckpointStatus:
         """Block until ``checkpoint_id`` is persisted. Raises PersistError if its upload failed for good,

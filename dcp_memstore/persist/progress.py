@@ -22,6 +22,9 @@ from dcp_memstore.store.records import read_record, write_record
 from dcp_memstore.store.tier_progress import TierProgress
 
 PERSIST_HOLD = "persist"
+# Upload states short of published, the most pressing first: the state of a checkpoint whose processes (or
+# nodes) report different ones is the first of theirs here.
+PRESSING = ("failed", "retrying", "uploading", "queued", "not requested")
 
 
 def is_owed(layout: StoreLayout, checkpoint_id: str) -> bool:
@@ -57,6 +60,19 @@ class Progress(TierProgress):
 
     def persisted(self) -> bool:
         return (self.dir / "PERSISTED").exists()
+
+    def upload_state(self) -> tuple[str, str | None]:
+        """This node's upload state of the checkpoint and its error: ``persisted`` (published),
+        ``not requested`` (not owed), else the most pressing state a live uploading process reported
+        (``failed``, ``retrying``, ``uploading``; see ``PRESSING``), else ``queued``."""
+        owed = self.owed()  # before persisted(): publication writes PERSISTED, then drops the hold
+        if self.persisted():
+            return "persisted", None
+        if not owed:
+            return "not requested", None
+        reported = {s.get("state"): s.get("error") for s in self.states()}
+        state = next((s for s in PRESSING if s in reported), "queued")
+        return state, reported.get(state)
 
     def mark_persisted(self) -> None:
         """Published: record it and drop the retention hold."""
