@@ -115,11 +115,14 @@ class ReplicatingStore:
             )
 
     def _cluster_copy(self, cid: str) -> ClusterCheckpoint | None:
-        """``cid`` as the other nodes' memory holds it, or None (single node, or committed nowhere)."""
+        """``cid`` as the other nodes' memory holds it (with their upload states towards this store's
+        ``persist_to``), or None (single node, or committed nowhere)."""
         control = self._control()
         if control is None:
             return None
-        cluster = ClusterCheckpoint(self.layout, *control, cid)
+        cluster = ClusterCheckpoint(
+            self.layout, *control, cid, self.target.url if self.target is not None else None
+        )
         return cluster if cluster.available else None
 
     def _peers_now(self) -> Peers:

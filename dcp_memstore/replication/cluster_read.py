@@ -26,16 +26,24 @@ log = logging.getLogger(__name__)
 class ClusterCheckpoint:
     """Where the files of checkpoint ``checkpoint_id`` are in the job's memory, from asking every node's
     server once (nodes that do not answer are left out, with a warning). Files are fetched into this node's
-    store ``layout``."""
+    store ``layout``. With ``persist_to`` (a target's URL), also each node's upload state of its copy towards
+    that target."""
 
     def __init__(
-        self, layout: StoreLayout, peers: Peers, transport: TcpTransport, checkpoint_id: str
+        self,
+        layout: StoreLayout,
+        peers: Peers,
+        transport: TcpTransport,
+        checkpoint_id: str,
+        persist_to: str | None = None,
     ) -> None:
         self.layout, self.peers, self.transport = layout, peers, transport
-        self.checkpoint_id = checkpoint_id
+        self.checkpoint_id, self.persist_to = checkpoint_id, persist_to
         # file -> [(node, replica source node name, or None for the node's own copy)], nearest node first
         self.holders: dict[str, list[tuple[int, str | None]]] = {}
         self.committed_on: list[int] = []
+        # node where it is committed -> (its upload state, its error), with persist_to (Progress.upload_state)
+        self.uploads: dict[int, tuple[str, str | None]] = {}
         me = peers.node.node_rank
         order = [(me + d) % peers.node.nnodes for d in range(peers.node.nnodes)]
         for node, st in zip(order, run_parallel(self._stat, order, len(order), pool="cluster"), strict=True):
@@ -43,6 +51,8 @@ class ClusterCheckpoint:
                 continue
             if st["committed"]:
                 self.committed_on.append(node)
+                if st["upload"] is not None:
+                    self.uploads[node] = (st["upload"]["state"], st["upload"]["error"])
                 for f in st["own"]:
                     if f != COMMITTED:
                         self.holders.setdefault(f, []).append((node, None))
@@ -53,7 +63,7 @@ class ClusterCheckpoint:
     def _stat(self, node: int) -> dict | None:
         addr = self.peers.server(node)
         try:
-            return self.transport.stat(addr, self.checkpoint_id)
+            return self.transport.stat(addr, self.checkpoint_id, self.persist_to)
         except (ConnectionError, TimeoutError, OSError, RuntimeError) as e:
             log.warning(
                 "cannot ask %s what it holds of checkpoint %r: %s", format_peer(addr), self.checkpoint_id, e

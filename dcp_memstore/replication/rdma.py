@@ -267,8 +267,8 @@ class RdmaTransport(Transport):
         """Round trip to the peer's server over TCP, in seconds."""
         return self.tcp.ping(peer_addr)
 
-    def stat(self, peer_addr: PeerAddress, checkpoint: str) -> dict:
-        return self.tcp.stat(peer_addr, checkpoint)
+    def stat(self, peer_addr: PeerAddress, checkpoint: str, persist_to: str | None = None) -> dict:
+        return self.tcp.stat(peer_addr, checkpoint, persist_to)
 
     # --- data ------------------------------------------------------------------------------------------
 

@@ -7,10 +7,12 @@ payloads; nothing unpickled), and only touches paths under its own root and job:
     <root>/<job>/checkpoints/<checkpoint>/<file>                 this node's files (served by ``get``)
     <root>/<job>/replicas/<source-node>/<checkpoint>/<file>       replicas it keeps for other nodes
 
-A node's own files are served only once their checkpoint is committed there. The ``commit`` op (the
-coordinator preparing, committing or aborting a checkpoint on this node; a prepare carries the manifest,
-whose SHA-256 the signed header names) is handed to the store's ``on_commit`` callback; a server without
-one refuses it.
+A node's own files are served only once their checkpoint is committed there. ``stat`` also says this
+node's upload state of a committed checkpoint towards the target the peer names (its records on tmpfs,
+``persist.progress``): a node that lacks the checkpoint tells from them whether it is being persisted.
+The ``commit`` op (the coordinator preparing, committing or aborting a checkpoint on this node; a prepare
+carries the manifest, whose SHA-256 the signed header names) is handed to the store's ``on_commit``
+callback; a server without one refuses it.
 
 where every component a peer names is checked with ``validate_name`` (no separators, no '..', no hidden
 names). A received file is size-capped, checked against the free memory, allocated in full before its
@@ -40,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dcp_memstore.errors import InsufficientSpaceError
+from dcp_memstore.persist.progress import Progress
 from dcp_memstore.replication import wire
 from dcp_memstore.replication.auth import DEFAULT_WINDOW_S, AuthError, RequestVerifier, sign_reply
 from dcp_memstore.replication.rdma_verbs import VerbsError, buffer_address
@@ -279,6 +282,12 @@ class PeerServer:
     def _op_stat(self, conn: socket.socket, header: dict, nonce: bytes) -> None:
         checkpoint = _name(header["checkpoint"], "checkpoint id")
         own_dir = self.layout.checkpoint_dir(checkpoint)
+        # read before the listing: eviction renames the directory away at once, so if the checkpoint is
+        # still committed after, these records were its own (a publication does not look unrequested)
+        upload = None
+        if header["persist_to"] is not None:
+            state, error = Progress(self.layout, checkpoint, header["persist_to"]).upload_state()
+            upload = {"state": state, "error": error}
         replicas = {}
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
             for e in os.scandir(self.layout.replicas_dir):
@@ -288,7 +297,14 @@ class PeerServer:
                     if files:
                         replicas[e.name] = files
         own = list_files(own_dir)
-        self._reply(conn, nonce, {"own": own, "committed": COMMITTED in own, "replicas": replicas})
+        committed = COMMITTED in own
+        fields = {
+            "own": own,
+            "committed": committed,
+            "replicas": replicas,
+            "upload": upload if committed else None,
+        }
+        self._reply(conn, nonce, fields)
 
     def _incoming_replica(self, header: dict) -> tuple[IncomingFile, str]:
         """The checks of a ``put`` (names, size limit, space) and, if they pass, the preallocated temporary

@@ -219,11 +219,11 @@ class TcpTransport(Transport):
                 reply = call.reply("commit", nonce, index=1)
         return reply["next_seq"]
 
-    def stat(self, peer_addr: PeerAddress, checkpoint: str) -> dict:
+    def stat(self, peer_addr: PeerAddress, checkpoint: str, persist_to: str | None = None) -> dict:
         checkpoint = validate_name(checkpoint, "checkpoint id")
         with self._call(peer_addr, f"asking what it holds of checkpoint {checkpoint}") as call:
-            _, reply = call.request("stat", {"checkpoint": checkpoint})
-        return {"own": reply["own"], "committed": reply["committed"], "replicas": reply["replicas"]}
+            _, reply = call.request("stat", {"checkpoint": checkpoint, "persist_to": persist_to})
+        return {k: reply[k] for k in ("own", "committed", "replicas", "upload")}
 
     def close(self) -> None:
         """Refuse new calls and end those in flight (their sockets are shut down)."""

@@ -102,9 +102,11 @@ class Transport(ABC):
         ``layout``: the store ``dest_path`` is in (see ``IncomingFile``)."""
 
     @abstractmethod
-    def stat(self, peer_addr: PeerAddress, checkpoint: str) -> dict:
+    def stat(self, peer_addr: PeerAddress, checkpoint: str, persist_to: str | None = None) -> dict:
         """What the peer holds of ``checkpoint``: ``{"own": {file: size}, "committed": bool,
-        "replicas": {source_node: {file: size}}}``."""
+        "replicas": {source_node: {file: size}}, "upload": {"state": str, "error": str | None} | None}``;
+        ``upload`` is the peer's upload state of its committed copy towards target URL ``persist_to``
+        (None without ``persist_to``, or where it is not committed)."""
 
     @abstractmethod
     def close(self) -> None:

@@ -13,7 +13,9 @@ the bytes, not in the header, so each end hashes every chunk while it is still i
 Conversations (one or more per connection; every request is authenticated, see ``auth``)::
 
     ping: request                                         -> reply
-    stat: request {checkpoint}                            -> reply {own, committed, replicas}
+    stat: request {checkpoint, persist_to}                -> reply {own, committed, replicas, upload}
+          ``upload``: the node's upload state of its committed copy towards target URL ``persist_to``
+          ({state, error}; nil without ``persist_to`` or where it is not committed)
     put:  request {source, checkpoint, file, size}        -> reply (go-ahead or refusal)
           payload, trailer                                -> reply (stored, or refused: checksum, ...)
     get:  request {checkpoint, file, source, offset, length} -> reply {size}, payload, trailer
@@ -111,6 +113,15 @@ def _replica_files(v: Any) -> bool:
     return type(v) is dict and all(_str(k) and _file_sizes(f) for k, f in v.items())
 
 
+def _upload_state(v: Any) -> bool:
+    return (
+        type(v) is dict
+        and v.keys() == {"state", "error"}
+        and _str(v["state"])
+        and (v["error"] is None or _str(v["error"]))
+    )
+
+
 _TYPE_NAMES = {
     _uint: "an unsigned 64-bit int",
     _u32: "an unsigned 32-bit int",
@@ -121,6 +132,7 @@ _TYPE_NAMES = {
     _float: "a float",
     _file_sizes: "a map of file name to size",
     _replica_files: "a map of source node to a map of file name to size",
+    _upload_state: "a map of an upload state and its error (a str or nil)",
 }
 
 
@@ -144,7 +156,7 @@ AUTH_FIELDS: dict[str, Callable[[Any], bool]] = {
 # Request fields by op, besides AUTH_FIELDS. Every field is required; no other field is allowed.
 REQUESTS: dict[str, dict[str, Callable[[Any], bool]]] = {
     "ping": {},
-    "stat": {"checkpoint": _str},
+    "stat": {"checkpoint": _str, "persist_to": _optional(_str)},
     "put": {"source": _str, "checkpoint": _str, "file": _str, "size": _uint},
     "get": {
         "checkpoint": _str,
@@ -169,7 +181,12 @@ REQUESTS: dict[str, dict[str, Callable[[Any], bool]]] = {
 # Fields of a successful reply, by op, besides "ok", "re" (the request's nonce) and "mac".
 REPLIES: dict[str, dict[str, Callable[[Any], bool]]] = {
     "ping": {},
-    "stat": {"own": _file_sizes, "committed": _bool, "replicas": _replica_files},
+    "stat": {
+        "own": _file_sizes,
+        "committed": _bool,
+        "replicas": _replica_files,
+        "upload": _optional(_upload_state),
+    },
     "put": {},
     "get": {"size": _uint},
     "commit": {"next_seq": _uint},

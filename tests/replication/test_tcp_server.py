@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from dcp_memstore import MemStore
 from dcp_memstore.errors import InsufficientSpaceError
+from dcp_memstore.persist.progress import Progress
 from dcp_memstore.replication import PeerServer, ReplicationError, TcpTransport, wire
 from dcp_memstore.replication.auth import new_secret, sign_request
 from dcp_memstore.replication.placement import NodeInfo
@@ -145,13 +146,45 @@ def test_stat_lists_own_and_replica_files(server, transport, local, peer_root):
         "own": {shard_name(0, 0): 10, COMMITTED: 0},
         "committed": True,
         "replicas": {"node2": {shard_name(1, 0): 5}, "node3": {shard_name(1, 0): 7}},
+        "upload": None,
     }
     assert transport.stat(server.address, "step-2") == {
         "own": {},
         "committed": False,
         "replicas": {"node2": {"z": 1}},
+        "upload": None,
     }
-    assert transport.stat(server.address, "nothing") == {"own": {}, "committed": False, "replicas": {}}
+    nothing = {"own": {}, "committed": False, "replicas": {}, "upload": None}
+    assert transport.stat(server.address, "nothing") == nothing
+
+
+def test_stat_says_the_upload_state_of_a_committed_copy_towards_the_named_target(
+    server, transport, peer_root
+):
+    """A node that lacks a checkpoint asks the nodes holding it whether it is being persisted: each says
+    its own upload state towards the requester's target, from its records (those of another target say
+    nothing about this one); a copy not committed there says nothing."""
+    peer, url = StoreLayout(peer_root, JOB), "s3://bucket/run"
+    make_file(peer, "step-1", shard_name(0, 0), b"x")
+
+    def upload(target: str = url) -> dict | None:
+        return transport.stat(server.address, "step-1", target)["upload"]
+
+    assert upload() is None  # not committed
+    make_file(peer, "step-1", COMMITTED, b"")
+    assert upload() == {"state": "not requested", "error": None}
+    progress = Progress(peer, "step-1", url)
+    progress.request("on demand")
+    assert upload() == {"state": "queued", "error": None}
+    assert upload("s3://bucket/other") == {"state": "queued", "error": None}  # owed: the hold is shared
+    progress.report(0, "retrying", "ConnectionError: down")  # by this (live) process
+    assert upload() == {"state": "retrying", "error": "ConnectionError: down"}
+    progress.report(1, "failed", "PermissionError: denied")
+    assert upload() == {"state": "failed", "error": "PermissionError: denied"}
+    progress.mark_persisted()
+    assert upload() == {"state": "persisted", "error": None}
+    assert upload("s3://bucket/other") == {"state": "not requested", "error": None}
+    assert transport.stat(server.address, "step-1")["upload"] is None  # no target named
 
 
 def test_concurrent_puts_from_several_threads(server, secret, local, peer_root):
@@ -268,7 +301,7 @@ def test_path_tricks_refused_on_get_and_stat(server, secret, name):
     for field in ("checkpoint", "file", "source"):
         fields = {"checkpoint": "step-1", "file": "f", "source": "node0", "offset": 0, "length": None}
         refused(send_raw(server, signed(secret, "get", **{**fields, field: name})), "bad_request")
-    refused(send_raw(server, signed(secret, "stat", checkpoint=name)), "bad_request")
+    refused(send_raw(server, signed(secret, "stat", checkpoint=name, persist_to=None)), "bad_request")
 
 
 def test_path_tricks_refused_by_client_before_sending(transport, server, local):

@@ -29,7 +29,7 @@ def _request(op: str = "put", **fields) -> dict:
     base = {"op": op, "job": "job", "ts": 1, "nonce": b"n" * 16, "mac": b"m" * 32}
     args = {
         "ping": {},
-        "stat": {"checkpoint": "step-1"},
+        "stat": {"checkpoint": "step-1", "persist_to": None},
         "put": {"source": "node0", "checkpoint": "step-1", "file": "__0_0.shard", "size": 10},
         "get": {"checkpoint": "step-1", "file": "f", "source": None, "offset": 0, "length": None},
     }.get(op, {})
@@ -160,10 +160,15 @@ def test_reply_validation():
         "own": {"a": 1},
         "committed": False,
         "replicas": {"n": {"b": 2}},
+        "upload": None,
     }
     assert wire.validate_reply(stat, "stat") == stat
-    with pytest.raises(wire.ProtocolError):
-        wire.validate_reply({**stat, "replicas": {"n": {"b": "2"}}}, "stat")
+    uploading = {**stat, "upload": {"state": "retrying", "error": "ConnectionError: down"}}
+    assert wire.validate_reply(uploading, "stat") == uploading
+    for bad in ({"n": {"b": "2"}}, {"state": "queued"}, {"state": "queued", "error": 1}):
+        field = "upload" if "state" in bad else "replicas"
+        with pytest.raises(wire.ProtocolError):
+            wire.validate_reply({**stat, field: bad}, "stat")
 
 
 def test_payload_round_trip_with_checksum(pair):
