@@ -14,7 +14,7 @@ import time
 
 from dcp_memstore.errors import PersistError
 from dcp_memstore.persist.persister import global_rank, node_share
-from dcp_memstore.persist.progress import PERSIST_HOLD, Progress, is_owed
+from dcp_memstore.persist.progress import PERSIST_HOLD, PRESSING, Progress, is_owed
 from dcp_memstore.persist.publish import read_parts, remote_commit
 from dcp_memstore.persist.remote_read import RemoteCheckpoint
 from dcp_memstore.status import CheckpointStatus
@@ -69,9 +69,7 @@ class PersistingStore:
             return CheckpointStatus(cid, in_memory, "off")
         url = self.target.url_of(cid)
         if not in_memory:
-            if remote_commit(self.target, cid) is None:
-                self.open_checkpoint(cid)  # raises FileNotFoundError naming what exists
-            return CheckpointStatus(cid, False, "persisted", persisted_url=url)
+            return self._status_elsewhere(cid, url)
         st = self._local_persist_status(cid, url)
         # Eviction renames the checkpoint's directory away at once: if it is still there, every record read
         # above was this checkpoint's; if not (published and evicted meanwhile), ask again.
@@ -98,6 +96,24 @@ class PersistingStore:
         published = url if state == "persisted" else None
         return CheckpointStatus(cid, True, state, error=error, persisted_url=published, **counts)
 
+    def _status_elsewhere(self, cid: str, url: str) -> CheckpointStatus:
+        """The upload state of ``cid``, which this node's memory does not hold: ``persisted`` if it is
+        published; else, if other nodes of the job hold it in memory, the most pressing state their
+        records say (each node uploads its own files: the checkpoint is published once all have); else a
+        FileNotFoundError naming the checkpoints that exist."""
+        if remote_commit(self.target, cid) is not None:
+            return CheckpointStatus(cid, False, "persisted", persisted_url=url)
+        cluster = self._cluster_copy(cid)
+        if cluster is None:
+            self.open_checkpoint(cid)  # raises FileNotFoundError naming what exists, unless it just appeared
+            return self._persist_status(cid)
+        states = dict(cluster.uploads.values())
+        # a node that says persisted: published since the first look, or removed from the target since
+        if "persisted" in states and remote_commit(self.target, cid) is not None:
+            return CheckpointStatus(cid, False, "persisted", persisted_url=url)
+        state = next((s for s in PRESSING if s in states), "not requested")
+        return CheckpointStatus(cid, False, state, error=states.get(state))
+
     def wait_persisted(self, checkpoint_id: str, timeout: float | None = None) -> CheckpointStatus:
         """Block until ``checkpoint_id`` is persisted. Raises PersistError if its upload failed for good,
         ValueError if nothing will upload it (not requested: call ``persist(id)``), TimeoutError after
@@ -113,9 +129,10 @@ class PersistingStore:
                     f"persisting checkpoint {st.checkpoint_id!r} to {self.target.url} failed: {st.error}"
                 )
             if st.persist in ("off", "not requested"):
+                elsewhere = "" if st.in_memory or st.persist == "off" else " on the nodes that hold it"
                 raise ValueError(
                     f"checkpoint {st.checkpoint_id!r} is not being persisted ({st.persist}); "
-                    "use MemStore(persist_to=...) and store.persist(id)"
+                    f"use MemStore(persist_to=...) and store.persist(id){elsewhere}"
                 )
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(

@@ -18,6 +18,11 @@ class CheckpointStatus:
     ``persisted`` (published at ``persisted_url``). ``files_uploaded``/``files_total`` count this node's
     shard files of the checkpoint.
 
+    For a checkpoint not in this node's memory (``in_memory`` False) but in the memory of the job's other
+    nodes (this node was replaced and not yet restored, deleted its copy, or keeps fewer), ``persist`` is
+    ``persisted`` only once it is published; until then the most pressing state those nodes report (each
+    uploads its own files), and the file counts are 0.
+
     ``replication``: ``off`` (one node, or ``replicas=0``), ``replicated`` (every replica node has
     acknowledged this node's files) or ``under-replicated``; ``replicas`` says it per peer node
     (``node<i>``: ``replicated``, ``pending`` or ``retrying: <error>``).

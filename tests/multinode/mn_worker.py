@@ -5,6 +5,9 @@
           go-ahead.
           With ``--owe N``, rank 0 alone asks for step N's upload after the saves and reports once its
           node's share is uploaded (the other nodes never upload theirs).
+          With ``--elsewhere N`` (two nodes, one rank each), node 1 uploads its share of step N, deletes
+          it from its memory and reports what it says of step N while node 0 is not asked to upload its
+          share, once node 0's upload failed, and after the test's go-ahead, when node 0 is asked again.
     load: ``latest_checkpoint()``, then ``dcp.load`` into fresh tensors and compare bit for bit with what
           that step saved (the world size may differ from the save's); with ``--wait-persisted N``, every
           rank then waits for step N's upload and reports how it ended.
@@ -75,6 +78,8 @@ def save(args, store: MemStore, mesh) -> None:
             )
     if args.owe and dist.get_rank() == 0:
         owe(store, f"step-{args.owe}")
+    if args.elsewhere:
+        elsewhere(store, f"step-{args.elsewhere}", Path(args.tmp))
     if args.serve_until:
         svc = store.replication()
         emit(event="serving", addr=list(svc.peers().server(svc.node.node_rank)))
@@ -94,16 +99,43 @@ def owe(store: MemStore, cid: str) -> None:
     emit(event="share-uploaded", checkpoint=cid, files=[st.files_uploaded, st.files_total])
 
 
-def wait_persisted(store: MemStore, cid: str) -> None:
-    """Wait for ``cid``'s upload (20 s at most) and report how it ended and what status said."""
+def wait_persisted(store: MemStore, cid: str, timeout: float = 20, phase: str = "") -> None:
+    """Wait for ``cid``'s upload (``timeout`` s at most) and report how it ended and what status said
+    (``phase`` tells the reports of one run apart)."""
     try:
-        st = store.wait_persisted(cid, timeout=20)
+        st = store.wait_persisted(cid, timeout=timeout)
         outcome = "persisted"
     except Exception as e:  # noqa: BLE001 - reported to the test
         st, outcome = store.status(cid), f"{type(e).__name__}: {e}"
     files = [st.files_uploaded, st.files_total]
     emit(event="persist", checkpoint=cid, outcome=outcome, state=st.persist, error=st.error,
-         in_memory=st.in_memory, files=files)  # fmt: skip
+         in_memory=st.in_memory, files=files, url=st.persisted_url, phase=phase)  # fmt: skip
+
+
+def elsewhere(store: MemStore, cid: str, tmp: Path) -> None:
+    """See ``--elsewhere`` in the module docstring; the nodes take turns through files in ``tmp``."""
+    if dist.get_rank() == 1:
+        owe(store, cid)
+        store.delete(cid)
+        wait_persisted(store, cid, 5, "unrequested")
+        (tmp / "deleted").write_text("ok")
+        wait_for(tmp / "failed", 120)
+        wait_persisted(store, cid, 5, "failed")
+        wait_for(tmp / "retried", 120)
+        wait_persisted(store, cid, 60, "retried")
+        return
+    wait_for(tmp / "deleted", 120)
+    store.persist(cid)
+    deadline = time.monotonic() + 60
+    while store.status(cid).persist != "failed":
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the upload of {cid} did not fail within 60 s: {store.status(cid)}")
+        time.sleep(0.05)
+    (tmp / "failed").write_text("ok")
+    wait_for(tmp / "fixed", 120)
+    store.persist(cid)  # retries the failed upload
+    (tmp / "retried").write_text("ok")
+    store.wait_persisted(cid, timeout=60)
 
 
 def watch(store: MemStore, cid: str, tmp: Path) -> None:
@@ -175,6 +207,7 @@ def main() -> None:
     p.add_argument("--persist-every", type=int, default=1, help="0: only what is asked for (--owe)")
     p.add_argument("--owe", type=int, default=0, help="after saving, persist this step from node 0 only")
     p.add_argument("--wait-persisted", type=int, default=0, help="after loading, wait for it")
+    p.add_argument("--elsewhere", type=int, default=0, help="after saving, this step's status off node 1")
     p.add_argument("--serve-until", default=None, help="after saving, serve until this file appears in --tmp")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -8,7 +8,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.multinode.mn_worker import global_weight
-from tests.multinode.test_mn_replication import TIMEOUT_S, launch, of, run_job, wait_line
+from tests.multinode.test_mn_replication import TIMEOUT_S, events, finish, launch, of, run_job, wait_line
 
 pytestmark = pytest.mark.slow
 
@@ -87,3 +87,42 @@ def test_owed_checkpoint_whose_files_no_node_holds_is_reported(cluster2, tmp_pat
     log0 = (tmp_path / "node0.log").read_text(errors="replace")
     warning = next(line for line in log0.splitlines() if "WARNING" in line and "'step-1'" in line)
     assert "__1_0.shard" in warning
+
+
+def test_status_on_a_node_without_the_checkpoint_says_what_the_nodes_holding_it_do(cluster2, tmp_path):
+    """Node 1 uploads its share of step 1 and deletes it from its memory; node 0 still holds it. Node 1's
+    status and wait_persisted do not say persisted before it is published: first node 0 was not asked
+    (not requested: ValueError), then its upload failed for good (a directory where its file goes:
+    PersistError); once that is fixed and node 0 is asked again, node 1's wait_persisted returns when the
+    checkpoint is published."""
+    shared = tmp_path / "persisted"
+    blocker = shared / "step-1" / "__0_0.distcp"
+    blocker.mkdir(parents=True)
+    args = ["save", "--steps", 1, "--mib", 2, "--persist-to", shared, "--persist-every", 0,
+            "--elsewhere", 1, "--tmp", tmp_path]  # fmt: skip
+    procs = launch(cluster2, [0, 1], args, tmp_path)
+    log1 = tmp_path / "node1.log"
+
+    def report(phase: str) -> dict:
+        wait_line(log1, f'"phase": "{phase}"', TIMEOUT_S)
+        (persist,) = [
+            e for e in of(events(log1.read_text(errors="replace")), "persist") if e["phase"] == phase
+        ]
+        assert persist["in_memory"] is False and persist["files"] == [0, 0], persist
+        return persist
+
+    unrequested = report("unrequested")
+    assert unrequested["state"] == "not requested", unrequested
+    assert unrequested["outcome"].startswith("ValueError") and "nodes that hold it" in unrequested["outcome"]
+    failed = report("failed")
+    assert failed["state"] == "failed" and "IsADirectoryError" in failed["error"], failed
+    assert failed["outcome"].startswith("PersistError"), failed
+    assert not (shared / "step-1" / ".dcp_memstore" / "COMMITTED").exists()
+    blocker.rmdir()
+    (tmp_path / "fixed").write_text("ok")
+    saved = finish(procs, [0, 1], tmp_path)
+    (retried,) = [e for e in of(saved[1], "persist") if e["phase"] == "retried"]
+    assert retried == {**retried, "outcome": "persisted", "url": f"{shared}/step-1"}, retried
+    out = {"w": torch.zeros(2 * 256, 1024), "bias": torch.zeros(1000, dtype=torch.float64), "step": -1}
+    dcp.load(out, storage_reader=dcp.FileSystemReader(str(shared / "step-1")), no_dist=True)
+    assert torch.equal(out["w"], global_weight(1, 2)) and out["step"] == 1
