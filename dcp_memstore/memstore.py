@@ -317,7 +317,9 @@ class MemStore(PersistingStore, ReplicatingStore):
         A collective when torch.distributed is initialized: call it on every rank of ``process_group``.
         In a multi-node job it also repairs: a node that lost the chosen checkpoint (an empty tmpfs after
         a replacement) restores its files from the peers holding them, and replicas lost with a node are
-        sent again."""
+        sent again. After a restart on fewer nodes (one included), the files of checkpoints owed to
+        persistent storage that a node which left the job wrote are uploaded from the replicas kept of
+        them."""
         self.check_open()
         mine = {
             r.checkpoint_id: [r.checkpoint_id, r.committed_at, r.seq] for r in catalog.committed(self.layout)
@@ -352,6 +354,8 @@ class MemStore(PersistingStore, ReplicatingStore):
                 log.exception("repairing this node's copy of %r failed", newest[2] if newest else None)
             finally:
                 dist.barrier(process_group)  # the node's other ranks load only once it is restored
+        elif self._single_node and self.target is not None:
+            self._take_over_alone(process_group)
         return newest[2] if newest else None
 
     def require_checkpoint(self, checkpoint_id: str) -> Path:

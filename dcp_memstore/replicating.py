@@ -16,16 +16,20 @@ import threading
 import time
 from typing import Any
 
+import torch.distributed as dist
+
 from dcp_memstore.errors import CommitError
+from dcp_memstore.persist.persister import local_rank_and_size
 from dcp_memstore.persist.progress import Progress, is_owed
 from dcp_memstore.replication.cluster_read import ClusterCheckpoint
 from dcp_memstore.replication.peers import Peers, default_bind_host
-from dcp_memstore.replication.recovery import restore, resync, unheld
+from dcp_memstore.replication.recovery import inventory, orphans, restore, resync, take_over, unheld
 from dcp_memstore.replication.service import ReplicationService, job_node_info
 from dcp_memstore.replication.tcp import TcpTransport
 from dcp_memstore.replication.transport import format_peer
 from dcp_memstore.status import CheckpointStatus
 from dcp_memstore.store import catalog
+from dcp_memstore.store.collective import dist_active
 from dcp_memstore.store.ids import validate_name
 from dcp_memstore.store.layout import MANIFEST
 from dcp_memstore.store.manifest import Manifest
@@ -65,9 +69,10 @@ class ReplicatingStore:
     ) -> None:
         """Restore on this node, from the copies and replicas other nodes hold, ``newest`` and every
         checkpoint some node still owes to persistent storage (so that this node uploads its share of it),
-        if readable from the cluster but not committed here; owe here what another node owes; report an
-        owed checkpoint whose files no node holds. Then owe again the replicas other nodes lost (see
-        ``recovery``). Failures are logged: reads then fetch per file."""
+        if readable from the cluster but not committed here; owe here what another node owes; take over
+        the files of an owed checkpoint whose node left the job from the replicas kept here (see
+        ``recovery.orphans``); report an owed checkpoint whose files no node holds. Then owe again the
+        replicas other nodes lost (see ``recovery``). Failures are logged: reads then fetch per file."""
         peers = service.peers()
         owed = set() if self.target is None else {c for inv in inventories.values() for c in inv["owed"]}
         restorable = sorted(owed & in_memory.keys(), key=lambda cid: in_memory[cid][1])
@@ -77,15 +82,50 @@ class ReplicatingStore:
         for cid in sorted(owed):
             if catalog.read_commit(self.layout, cid) is None:
                 continue
+            if cid in in_memory and not is_owed(self.layout, cid):
+                Progress(self.layout, cid, self.target.url).request("owed by another node")
+            if is_owed(self.layout, cid):
+                restoring = {
+                    rank
+                    for node, inv in inventories.items()
+                    if cid not in (c for c, *_ in inv["committed"])
+                    for rank in peers.node_ranks(node)
+                }
+                self._take_over(cid, inventories, peers.node.node_rank, restoring)
             if cid not in in_memory and is_owed(self.layout, cid):
                 self._report_unheld(cid, unheld(list(inventories.values()))[cid][1])
-            elif cid in in_memory and not is_owed(self.layout, cid):
-                Progress(self.layout, cid, self.target.url).request("owed by another node")
         if self.replicas:
             resync(self.layout, peers, inventories)
         service.wake()
         if owed and self._persister is not None:
             self._persister.wake()
+
+    def _take_over(self, cid: str, inventories: dict[int, dict], node: int, restoring: set[int]) -> None:
+        """Move into this node's copy of owed checkpoint ``cid`` the files of ranks no node of the job
+        holds any more that ``recovery.orphans`` gives node ``node`` (this one) from its replicas, so that
+        they are uploaded; logged."""
+        moved = take_over(self.layout, cid, orphans(cid, inventories, restoring).get(node, {}))
+        if moved:
+            log.info(
+                "checkpoint %r: uploading files %s of ranks that left the job, from the replicas kept here",
+                cid,
+                moved,
+            )
+
+    def _take_over_alone(self, process_group: Any) -> None:
+        """In a job of one node (``latest_checkpoint``), take over the files of owed checkpoints whose
+        nodes left the job from the replicas kept here: no other node will upload them. Local rank 0
+        does it; the node's other ranks wait in a barrier (their loads read those files)."""
+        try:
+            if local_rank_and_size()[0] == 0:
+                inventories = {0: inventory(self.layout)}
+                for cid in self._owed():
+                    self._take_over(cid, inventories, 0, set())
+        except Exception:  # noqa: BLE001 - the other ranks wait in the barrier; the upload waits (queued)
+            log.exception("taking over the files of ranks that left the job failed")
+        finally:
+            if dist_active():
+                dist.barrier(process_group)
 
     def _restore(
         self, service: ReplicationService, cid: str, record: tuple[float, int, int], owe: bool

@@ -79,6 +79,52 @@ def unheld(inventories: list[dict]) -> dict[str, tuple[tuple[float, int, int], l
     return out
 
 
+def orphans(cid: str, inventories: dict[int, dict], restoring: set[int]) -> dict[int, dict[str, str]]:
+    """The files of checkpoint ``cid`` that no node would upload: those its manifest lists of ranks with no
+    file in any node's own copy (``inventories``, by node) and not in ``restoring`` (the ranks of the nodes
+    about to restore their copy), because the node that wrote them left the job (a restart on fewer
+    nodes). Each such rank goes to one node that has ``cid`` committed and keeps replicas of its files:
+    the one keeping the most of them at the listed size, the lowest node first. Returns {node: {file:
+    source node of the replica}}; every node computes the same from the same gathered views."""
+    committed_on = {n: {c: files for c, *_, files in inv["committed"]} for n, inv in inventories.items()}
+    listed = next((by_id[cid] for by_id in committed_on.values() if cid in by_id), {})
+    owned = {file_rank(f) for inv in inventories.values() for f in inv["own"].get(cid, {})} | restoring
+    by_rank: dict[int | None, set[str]] = {}
+    for f in listed:
+        if file_rank(f) not in owned:
+            by_rank.setdefault(file_rank(f), set()).add(f)
+    out: dict[int, dict[str, str]] = {}
+    for files in by_rank.values():
+        kept_by = {}
+        for node, inv in sorted(inventories.items()):
+            if cid in committed_on[node]:
+                kept_by[node] = {
+                    f: source
+                    for source, by_id in sorted(inv["replicas"].items())
+                    for f, size in by_id.get(cid, {}).items()
+                    if f in files and size >= listed[f]
+                }
+        node = max(kept_by, key=lambda n: (len(kept_by[n]), -n), default=None)
+        if node is not None and kept_by[node]:
+            out.setdefault(node, {}).update(kept_by[node])
+    return out
+
+
+def take_over(layout: StoreLayout, cid: str, files: dict[str, str]) -> list[str]:
+    """Move ``files`` ({file: source node}, see ``orphans``) of committed checkpoint ``cid`` from the
+    replicas this node keeps into its own copy: the persister uploads them there (they join this node's
+    share) and the replicator sends them to this node's replica targets. A move, not a copy: no memory is
+    added. Returns the files moved (none once the checkpoint is evicted or deleted)."""
+    moved = []
+    for f, source in sorted(files.items()):
+        try:
+            os.rename(layout.replica_dir(source, cid) / f, layout.checkpoint_dir(cid) / f)
+        except FileNotFoundError:
+            continue
+        moved.append(f)
+    return moved
+
+
 def restore(
     layout: StoreLayout,
     peers: Peers,

@@ -31,14 +31,17 @@ def test_two_nodes_persist_to_a_shared_directory_that_stock_dcp_loads(cluster2, 
 
 
 def save_and_lose_node1_before_its_upload(cluster, tmp_path, shared, replicas: int, wiped: bool = True):
-    """Steps 1 and 2 saved by nodes 0 and 1; step 1 owed to ``shared``, node 0's share of it uploaded, node
-    1's not; then both nodes are SIGKILLed and (``wiped``) node 1 comes back with an empty tmpfs."""
+    """Steps 1 and 2 saved by every node of ``cluster`` (replicated, with ``replicas``); step 1 owed to
+    ``shared``, node 0's share of it uploaded, the other nodes' not; then every node is SIGKILLed and
+    (``wiped``) node 1 comes back with an empty tmpfs."""
     args = ["save", "--steps", 2, "--mib", 2, "--replicas", replicas, "--persist-to", shared,
             "--persist-every", 0, "--owe", 1, "--tmp", tmp_path, "--serve-until", "never"]  # fmt: skip
-    procs = launch(cluster, [0, 1], args, tmp_path)
+    nodes = list(range(cluster.n))
+    procs = launch(cluster, nodes, args + (["--wait-replicated"] if replicas else []), tmp_path)
     wait_line(tmp_path / "node0.log", '"share-uploaded"', TIMEOUT_S)
-    wait_line(tmp_path / "node1.log", '"serving"', TIMEOUT_S)
-    for i in (0, 1):
+    for i in nodes[1:]:
+        wait_line(tmp_path / f"node{i}.log", '"serving"', TIMEOUT_S)
+    for i in nodes:
         cluster.node(i).kill()
     for p in procs:
         p.wait(30)
@@ -87,6 +90,27 @@ def test_owed_checkpoint_whose_files_no_node_holds_is_reported(cluster2, tmp_pat
     log0 = (tmp_path / "node0.log").read_text(errors="replace")
     warning = next(line for line in log0.splitlines() if "WARNING" in line and "'step-1'" in line)
     assert "__1_0.shard" in warning
+
+
+@pytest.mark.parametrize("nnodes", [2, 3])
+def test_owed_files_of_a_node_that_left_the_job_are_uploaded_from_its_replicas(request, tmp_path, nnodes):
+    """Step 1 is owed and only node 0 uploaded its share; the job restarts on one node fewer. The node
+    that left wrote files no node of the new job holds as its own, only as replicas on node 0 (the ring:
+    the last node's go to node 0): node 0 takes them over and uploads them, and step 1 is published (it
+    stayed queued forever). On one node (2 -> 1) no replication runs; on two (3 -> 2) the restart's
+    repair does it."""
+    cluster = request.getfixturevalue(f"cluster{nnodes}")
+    shared = tmp_path / "persisted"
+    save_and_lose_node1_before_its_upload(cluster, tmp_path, shared, replicas=1, wiped=False)
+    args = ["load", "--mib", 2, "--persist-to", shared, "--persist-every", 0, "--wait-persisted", 1]
+    loaded = run_job(cluster, list(range(nnodes - 1)), args, tmp_path)
+    for evs in loaded:
+        assert of(evs, "loaded")[0]["ok"] is True
+        (persist,) = of(evs, "persist")
+        assert persist == {**persist, "outcome": "persisted", "in_memory": True}, persist
+    out = {"w": torch.zeros(2 * 256, 1024), "bias": torch.zeros(1000, dtype=torch.float64), "step": -1}
+    dcp.load(out, storage_reader=dcp.FileSystemReader(str(shared / "step-1")), no_dist=True)
+    assert torch.equal(out["w"], global_weight(1, 2)) and out["step"] == 1
 
 
 def test_status_on_a_node_without_the_checkpoint_says_what_the_nodes_holding_it_do(cluster2, tmp_path):

@@ -11,10 +11,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_memstore import CommitError, MemoryStorageWriter, MemStore
+from dcp_memstore.persist.persister import node_share
 from dcp_memstore.persist.progress import PERSIST_HOLD
 from dcp_memstore.replication.peers import Peers
 from dcp_memstore.replication.placement import NodeInfo
-from dcp_memstore.replication.recovery import inventory, readable, resync, unheld
+from dcp_memstore.replication.recovery import inventory, orphans, readable, resync, take_over, unheld
 from dcp_memstore.replication.replicator import REPLICA_HOLD, ReplicaRecords, node_files, to
 from dcp_memstore.store import catalog, liveness
 from dcp_memstore.store.layout import MANIFEST, part_name
@@ -45,6 +46,46 @@ def test_readable_needs_a_manifest_and_every_file_somewhere():
     short = {"committed": [], "own": {}, "replicas": {"node1": {"s1": {"__1_0.shard": 49}}}}
     assert readable([node0, short]) == {}  # a truncated replica does not count
     assert readable([node1_lost, node2]) == {}  # no manifest anywhere
+
+
+def test_files_of_a_node_that_left_go_to_the_committed_node_keeping_most_of_their_replicas():
+    listed = {"__0_0.shard": 10, "__1_0.shard": 20, "__1_1.shard": 5, "__2_0.shard": 30}
+    rec = ["s1", 2.0, 1, 65, listed]
+
+    def node(own: dict, replicas: dict, committed: bool = True) -> dict:
+        return {"committed": [rec] if committed else [], "own": {"s1": own}, "replicas": replicas}
+
+    # rank 1's node left; rank 2's own copy is on node 2; node 1 keeps both of rank 1's files, node 0 one
+    node0 = node({"__0_0.shard": 10}, {"node1": {"s1": {"__1_0.shard": 20}}})
+    node1 = node({"__2_0.shard": 30}, {"node9": {"s1": {"__1_0.shard": 20, "__1_1.shard": 5}}})
+    assert orphans("s1", {0: node0, 1: node1}, set()) == {1: {"__1_0.shard": "node9", "__1_1.shard": "node9"}}
+    # equal counts: the lowest node; a truncated replica does not count
+    node1 = node({"__2_0.shard": 30}, {"node9": {"s1": {"__1_0.shard": 20, "__1_1.shard": 4}}})
+    assert orphans("s1", {0: node0, 1: node1}, set()) == {0: {"__1_0.shard": "node1"}}
+    # a node about to restore its copy (ranks 1 and 2 in the new job) holds rank 1: nothing to take over
+    assert orphans("s1", {0: node0, 1: node1}, {1, 2}) == {}
+    # only nodes with the checkpoint committed take files over
+    uncommitted = node({}, {"node1": {"s1": {"__1_0.shard": 20, "__1_1.shard": 5}}}, committed=False)
+    assert orphans("s1", {0: node({"__0_0.shard": 10, "__2_0.shard": 30}, {}), 1: uncommitted}, set()) == {}
+
+
+def test_take_over_moves_replicas_into_the_checkpoint_where_the_persister_uploads_them(store):
+    save(store, "s1")
+    rdir = store.layout.replica_dir("node1", "s1")
+    rdir.mkdir(parents=True)
+    (rdir / "__1_0.shard").write_bytes(b"x" * 10)
+    moved = take_over(store.layout, "s1", {"__1_0.shard": "node1", "__1_1.shard": "node1"})
+    assert moved == ["__1_0.shard"]  # one not kept here is skipped
+    assert (store.layout.checkpoint_dir("s1") / "__1_0.shard").read_bytes() == b"x" * 10
+    assert not (rdir / "__1_0.shard").exists()  # moved: no memory added
+    assert node_share(store.layout.checkpoint_dir("s1"), ["__1_0.shard", "__1_1.shard"]) == {
+        "__1_0.shard",
+        "__1_1.shard",
+    }
+    store.delete("s1")  # with the replicas it kept of it
+    rdir.mkdir(parents=True)
+    (rdir / "__1_1.shard").write_bytes(b"y")
+    assert take_over(store.layout, "s1", {"__1_1.shard": "node1"}) == []  # the checkpoint is gone
 
 
 def test_inventory_lists_own_files_and_replicas(store):
