@@ -709,63 +709,56 @@ def test_commit_refused_without_a_store_or_when_the_store_fails(server, peer_roo
             transport.commit(srv.address, "../x", "prepare", rec, b"m")
 
 
-def test_the_servers_of_a_job_give_up_on_a_silent_peer_after_replication_timeout_s(local, tmp_path):
-    """replication_timeout_s bounds how long a silent peer is waited for on both ends: a connection that
-    sends nothing (a peer whose link went down mid-transfer) is closed after it, not after a fixed minute,
-    and its partial file and connection slot freed."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+@contextlib.contextmanager
+def one_rank_service(layout: StoreLayout, pg_dir: Path, timeout_s: float, io_timeout_s: float) -> Iterator:
+    """The replication service of a job of one rank (a process group of its own), closed afterwards."""
+    dist.init_process_group("gloo", init_method=f"file://{pg_dir / 'pg'}", rank=0, world_size=1)
     service = None
     try:
         service = ReplicationService(
-            local,
+            layout,
             NodeInfo(node_rank=0, nnodes=1, local_rank=0, local_world_size=1, rank=0, world_size=1),
             k=0,
             bind_host="127.0.0.1",
             secret=None,
             transport="tcp",
             on_commit=lambda *a: None,
-            timeout_s=10,
-            io_timeout_s=1.0,
+            timeout_s=timeout_s,
+            io_timeout_s=io_timeout_s,
             keep=2,
         )
-        with socket.create_connection(service.server.address, timeout=15) as silent:
-            t0 = time.monotonic()
-            assert silent.recv(1) == b""  # closed by the server
-            assert time.monotonic() - t0 < 10
+        yield service
     finally:
         if service is not None:
             service.close()
         dist.destroy_process_group()
 
 
-def test_a_store_whose_timeouts_say_no_limit_replicates(local, tmp_path, shm_dir, peer_root):
+def test_the_servers_of_a_job_give_up_on_a_silent_peer_after_replication_timeout_s(local, tmp_path):
+    """replication_timeout_s bounds how long a silent peer is waited for on both ends: a connection that
+    sends nothing (a peer whose link went down mid-transfer) is closed after it, not after a fixed minute,
+    and its partial file and connection slot freed."""
+    with (
+        one_rank_service(local, tmp_path, timeout_s=10, io_timeout_s=1.0) as service,
+        socket.create_connection(service.server.address, timeout=15) as silent,
+    ):
+        t0 = time.monotonic()
+        assert silent.recv(1) == b""  # closed by the server
+        assert time.monotonic() - t0 < 10
+
+
+def test_a_store_whose_timeouts_say_no_limit_replicates(local, tmp_path, shm_dir):
     """``stage_timeout_s=math.inf`` and ``replication_timeout_s=math.inf`` (no limit) reach the replication
     service as the store passes them: the wait for the ranks' announcements, the server's socket timeouts
     and a transfer work (sockets, locks and torch.distributed store waits refuse infinity itself)."""
     no_limit = {"stage_timeout_s": math.inf, "replication_timeout_s": math.inf}
     store = MemStore(root=shm_dir / "opts", job_id="j", **no_limit)
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    service = None
     try:
-        service = ReplicationService(
-            local,
-            NodeInfo(node_rank=0, nnodes=1, local_rank=0, local_world_size=1, rank=0, world_size=1),
-            k=0,
-            bind_host="127.0.0.1",
-            secret=None,
-            transport="tcp",
-            on_commit=lambda *a: None,
-            timeout_s=store.stage_timeout_s,
-            io_timeout_s=store.replication_timeout_s,
-            keep=2,
-        )
-        assert service.peers().server(0) == service.server.address
-        sender = StoreLayout(shm_dir / "sender", JOB)
-        sender.ensure()
-        with TcpTransport(JOB, service.secret, store.replication_timeout_s) as transport:
-            check_put_then_get(transport, service.server.address, sender, local.root, os.urandom(1 << 20))
+        with one_rank_service(local, tmp_path, store.stage_timeout_s, store.replication_timeout_s) as service:
+            assert service.peers().server(0) == service.server.address
+            sender = StoreLayout(shm_dir / "sender", JOB)
+            sender.ensure()
+            with TcpTransport(JOB, service.secret, store.replication_timeout_s) as transport:
+                check_put_then_get(transport, service.server.address, sender, local.root, os.urandom(1 << 20))
     finally:
-        if service is not None:
-            service.close()
-        dist.destroy_process_group()
         store.close()
