@@ -34,7 +34,7 @@ from dcp_memstore.store.layout import objects_name, shard_name
 from dcp_memstore.store.manifest import ShardLocation, dtype_name, manifest_bytes_estimate
 from dcp_memstore.store.mapping import MAPPINGS, MappedFile
 from dcp_memstore.store.packing import ITEM_ALIGN, pack
-from dcp_memstore.store.pool import FilePool, round_up
+from dcp_memstore.store.pool import Claims, FilePool, round_up
 from dcp_memstore.store.records import write_atomic
 from dcp_memstore.store.threads import run_parallel
 
@@ -113,7 +113,8 @@ class RankWrite:
         jobs = [
             functools.partial(self._checksum_staged, names[k], entries) for k, (_, entries) in staged.items()
         ]
-        jobs += [functools.partial(self._copy_into, f) for f in copy_files]
+        claims = FilePool(self.store.layout, self.rank).claims([size for _, size, _ in copy_files])
+        jobs += [functools.partial(self._copy_into, claims, b, f) for b, f in enumerate(copy_files)]
         for part in run_parallel(lambda job: job(), jobs, self.store.io_threads):
             self.results.extend(part)
         if stager is not None:
@@ -168,14 +169,15 @@ class RankWrite:
             for b, size in enumerate(file_sizes)
         ]
 
-    def _copy_into(self, spec: tuple[str, int, list]) -> list[WriteResult]:
-        """One I/O thread's file: claim it (from the pool if possible), copy its tensors, checksum them.
+    def _copy_into(self, claims: Claims, index: int, spec: tuple[str, int, list]) -> list[WriteResult]:
+        """One I/O thread's file, this save's file ``index`` of ``claims``: claim it (from the pool if
+        possible), copy its tensors, checksum them.
 
         A reused file is written through its mapping (mapped once per process, then cached: steady-state
         saves are plain memcpy); a new file is written with pwrite, which spares mapping and faulting in
         pages of a file that may never be reused here. GPU tensors always go through the (pinned) mapping."""
-        name, size, entries = spec
-        fd, reused = FilePool(self.store.layout, self.rank).claim(self.dir / name, size)
+        name, _, entries = spec
+        fd, reused = claims.claim(index, self.dir / name)
         self.claimed.append(reused)
         gpu = next((t.device for _, _, t in entries if t.device.type == "cuda"), None)
         mf = MAPPINGS.map_fd(fd) if reused or gpu is not None else None

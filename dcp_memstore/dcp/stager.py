@@ -102,8 +102,9 @@ class Stager:
                     slot.mkdir(parents=True)  # a tmpfs full before the files were allocated
                     crash_point("stage-slot", rank)
                     claim_owner(self.store.layout, slot)
+                claims = pool.claims(file_sizes)
                 claimed = run_parallel(  # a new file's page faults are taken in parallel
-                    lambda b: pool.acquire(slot / shard_name(rank, b), file_sizes[b]),
+                    lambda b: claims.acquire(b, slot / shard_name(rank, b)),
                     range(len(file_sizes)),
                     self.store.io_threads,
                     pool="stage",

@@ -153,7 +153,7 @@ class Reservation:
                 for b, size in enumerate(missing):
                     if self._stopping.is_set():
                         break
-                    # new files only: claiming from the pool would also delete its misfits
+                    # new files only: a claim from the pool would delete the pooled files it has no use for
                     mf = MAPPINGS.map_fd(allocate_file(area / shard_name(self.rank, b), size), populate=False)
                     if self._fault_in(mf) and self.cuda_device is not None:
                         mf.pin_for_cuda(self.cuda_device)

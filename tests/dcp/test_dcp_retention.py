@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import dcp_memstore.dcp.reader as reader_module
 from dcp_memstore import CheckpointInUseError, MemoryStorageReader, MemStore
+from dcp_memstore.dcp.stager import Stager
 
 
 def _state(i: int) -> dict:
@@ -121,6 +122,40 @@ def test_a_reused_larger_file_holds_a_smaller_checkpoint_correctly(shm_dir):
     assert (c_stat.st_ino, c_stat.st_size) == (a_stat.st_ino, a_stat.st_size)
     assert c_stat.st_size > 90_000 * 4
     assert_tree_equal(small, load_fresh(store, small, "c"))
+
+
+def _four_sizes(i: int, a_mib: int = 1) -> dict:
+    """Four tensors that go to four shard files of four sizes (io_threads=4): "a" (``a_mib`` MiB), "b"
+    (256 KiB), "c" (128 KiB) and "d" (64 KiB)."""
+    g = torch.Generator().manual_seed(i)
+    kib = {"a": a_mib << 10, "b": 256, "c": 128, "d": 64}
+    return {k: torch.randn(n << 8, generator=g) for k, n in kib.items()} | {"step": i}
+
+
+def _pooled_inodes(store: MemStore) -> set[int]:
+    Stager.of(store).wait_reserved()  # files still being allocated ahead are in the pool once it returns
+    return {os.stat(p).st_ino for p in store.layout.pool_dir(0).glob("*.shard")}
+
+
+@pytest.mark.parametrize("mode", ["save", "async_save"])
+def test_a_save_whose_one_file_grew_still_reuses_its_other_files(shm_dir, mode):
+    """One file of a save outgrows every pooled file (one tensor grew); the pooled files that fit the save's
+    other files must serve them, not be deleted with the misfits to make room for the new one. Three saves
+    in a row grow "a" (each save's files are claimed by parallel threads, in no fixed order)."""
+    store = MemStore(root=shm_dir, job_id="job", keep_in_memory=2, io_threads=4)
+    for i in range(3):  # steady state: s2's commit pools s0's files
+        _do_save(mode, store, _four_sizes(i), f"s{i}")
+    for i, a_mib in ((3, 2), (4, 3), (5, 4)):  # each save's pool holds the files of the save two before
+        pooled = _pooled_inodes(store)
+        _do_save(mode, store, _four_sizes(i, a_mib), f"s{i}")
+        files = sorted(store.require_checkpoint(f"s{i}").glob("*.shard"), key=lambda f: os.stat(f).st_size)
+        assert [os.stat(f).st_size >= a_mib << 20 for f in files] == [False, False, False, True]
+        *others, grown = (os.stat(f).st_ino for f in files)
+        assert set(others) <= pooled, f"s{i}: files of unchanged size were allocated anew"
+        assert grown not in pooled
+    assert store.list_checkpoints() == ["s4", "s5"]
+    for i, a_mib in ((4, 3), (5, 4)):
+        assert_tree_equal(_four_sizes(i, a_mib), load_fresh(store, _four_sizes(i, a_mib), f"s{i}"))
 
 
 def test_list_and_latest_follow_commit_order_not_names(shm_dir):
