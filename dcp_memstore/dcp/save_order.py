@@ -5,11 +5,14 @@ their collectives on the same process group in an order that can differ between 
 mixes them up. Each staged save gets a ticket in staging order; its background work starts (``begin``)
 only when every earlier ticket's thread has ended. With DCP's PROCESS executor the ticket is bound to the
 executor thread that sends the save to DCP's checkpoint process (``bind``): that thread ends once the
-checkpoint process has answered, and saves are sent in staging order (``wait_sent_in_order``).
+checkpoint process has answered, and saves are sent in staging order (``wait_sent_in_order``). Whether
+every save sent there has been answered (``sent_saves_answered``) tells the trainer that the directories
+that process began and left uncommitted are failed saves' (it runs one save at a time).
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 import time
@@ -17,7 +20,20 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from torch.distributed.checkpoint import state_dict_saver
+
 from dcp_memstore.errors import StagingTimeoutError
+from dcp_memstore.store.threads import runs_code_of
+
+
+def _process_executor_file() -> str | None:
+    """The source file of DCP's PROCESS executor, whose thread sends a save to the checkpoint process and
+    waits there for the answer; None in a torch without one."""
+    executor = getattr(state_dict_saver, "_ProcessBasedAsyncCheckpointExecutor", None)
+    return None if executor is None else inspect.getfile(executor)
+
+
+_PROCESS_EXECUTOR_FILE = _process_executor_file()
 
 
 @dataclass
@@ -25,10 +41,21 @@ class Ticket:
     seq: int
     slot: str | None = None  # the staging slot this save's data is in
     thread: threading.Thread | None = None  # the thread running (or sending) the save, once it started
+    sent: bool = False  # sent to DCP's checkpoint process (PROCESS executor), which runs it
+    sent_from: str | None = None  # the source file of DCP's executor it was sent from (answered there)
 
     def finished(self) -> bool:
         """True once this save can no longer issue collectives in this process."""
         return self.thread is not None and not self.thread.is_alive()
+
+    def answered(self) -> bool:
+        """For a ``sent`` save: True once DCP's checkpoint process has answered, so it no longer runs it:
+        the sending thread has ended, or has left DCP's executor, where it waits for the answer. A thread
+        that sent it from elsewhere (another torch) counts only once it has ended."""
+        if self.finished():
+            return True
+        waits_in = self.sent_from
+        return self.thread is not None and waits_in is not None and not runs_code_of(self.thread, waits_in)
 
     def slot_left(self) -> bool:
         """Whether the ticket's staging slot is still on disk (not yet written into a checkpoint)."""
@@ -66,6 +93,7 @@ class SaveOrder:
         self._next = 0
         self._tickets: dict[int, Ticket] = {}
         self._abandoned: deque[tuple[int, str | None]] = deque()
+        self._sent = False  # a save of the job was sent to DCP's checkpoint process
 
     def issue(self) -> Ticket:
         with self._lock:
@@ -94,12 +122,23 @@ class SaveOrder:
                         slots.append(slot)
         return slots
 
-    def bind(self, seq: int | None) -> None:
-        """Bind ticket ``seq`` to the calling thread: the save runs (or is sent) there."""
+    def bind(self, seq: int | None, sent: bool = False) -> None:
+        """Bind ticket ``seq`` to the calling thread: the save runs there, or with ``sent``, is sent from
+        there to DCP's checkpoint process."""
         with self._lock:
             t = self._tickets.get(seq) if seq is not None else None
             if t is not None:
                 t.thread = threading.current_thread()
+                if sent:
+                    t.sent, self._sent = True, True
+                    executor = _PROCESS_EXECUTOR_FILE
+                    t.sent_from = executor if executor and runs_code_of(t.thread, executor) else None
+
+    def sent_saves_answered(self) -> bool:
+        """Whether saves of the job were sent to DCP's checkpoint process and it has answered every one: it
+        runs none of them now (it runs the saves sent to it one after another)."""
+        with self._lock:
+            return self._sent and all(t.answered() for t in self._tickets.values() if t.sent)
 
     def begin(self, seq: int | None, timeout_s: float) -> None:
         """Bind ticket ``seq`` to this thread and wait until every earlier save has ended here.

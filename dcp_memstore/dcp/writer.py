@@ -13,7 +13,6 @@ import logging
 import math
 import os
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -49,6 +48,7 @@ from dcp_memstore.store.mapping import MAPPINGS
 from dcp_memstore.store.packing import packed_bytes
 from dcp_memstore.store.records import write_atomic
 from dcp_memstore.store.space import space_errors
+from dcp_memstore.store.threads import runs_code_of
 
 F = TypeVar("F", bound=Callable[..., Any])
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                 timed_out = self._defer_timeout(
                     functools.partial(self._order.wait_sent_in_order, seq), timed_out
                 )
-                self._order.bind(seq)  # bound to DCP's executor thread that sends this save
+                self._order.bind(seq, sent=True)  # bound to DCP's executor thread that sends this save
         except BaseException:
             _abandon_pending(self.store.layout, self._pending)  # these saves will never run
             raise
@@ -341,12 +341,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         works_for = _thread_writer.get(thread.ident)
         if works_for is None or works_for() is not self:
             return False  # that thread has gone on to another save (still inside DCP: its frames cannot tell)
-        frame = sys._current_frames().get(thread.ident)
-        while frame is not None:
-            if frame.f_code.co_filename == _DCP_SAVE_FILE:
-                return True
-            frame = frame.f_back
-        return False
+        return runs_code_of(thread, _DCP_SAVE_FILE)
 
     def _works_in_this_thread(self) -> None:
         """Note that this thread works for this writer's save now (staging it, or running DCP's save)."""
@@ -455,12 +450,16 @@ def check_space_reclaiming(
     directory its coordinator began, with the files other ranks wrote into it, and that was cleared only
     after the next commit: if those files left too little room, no later save could commit. Saves of this
     process that began before ``started`` have ended (saves run in order); those of ``exclude`` and of
-    other threads still writing are kept."""
+    other threads still writing are kept. Saves sent to DCP's checkpoint process (PROCESS executor) ran
+    there, and that process, a child of this one that lives on, began their directories: those begun before
+    ``started`` are discarded too once it has answered every save sent to it (it runs one at a time)."""
     try:
         store.check_space(needed, rank)
     except InsufficientSpaceError:
+        layout = store.layout
+        children = SaveOrder.of(str(layout.job_dir)).sent_saves_answered()
         if not catalog.clear_abandoned(
-            store.layout, before=started, running=running_saves(store.layout, exclude)
+            layout, before=started, running=running_saves(layout, exclude), children=children
         ):
             raise
         store.check_space(needed, rank)

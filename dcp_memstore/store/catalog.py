@@ -124,10 +124,20 @@ def saving_process(layout: StoreLayout, checkpoint_id: str) -> dict | None:
 
 def _related(pid: object) -> bool:
     """Whether ``pid`` is this process's parent or one of its children."""
+    return pid == os.getppid() or _child_pid(pid)
+
+
+def _child_pid(pid: object) -> bool:
+    """Whether ``pid`` is one of this process's children."""
     try:
-        return pid == os.getppid() or psutil.Process(pid).ppid() == os.getpid()
+        return psutil.Process(pid).ppid() == os.getpid()
     except (psutil.Error, TypeError, ValueError):
         return False
+
+
+def _is_child(owner: dict) -> bool:
+    """Whether owner record ``owner`` (of a live process) is a child process of this one."""
+    return owner.get("host") == socket.gethostname() and _child_pid(owner.get("pid"))
 
 
 def next_seq(layout: StoreLayout) -> int:
@@ -426,13 +436,15 @@ def evict(layout: StoreLayout, keep: int, ignored_holds: Collection[str] = ()) -
 
 
 def clear_abandoned(
-    layout: StoreLayout, before: float | None = None, running: Collection[str] = ()
+    layout: StoreLayout, before: float | None = None, running: Collection[str] = (), children: bool = False
 ) -> list[str]:
     """Discard uncommitted checkpoint directories whose saving process is dead, and (with ``before``) those
     this process started before time ``before`` and never committed, except ``running``: the checkpoint
     ids whose saves in this process are still writing (another thread's save, begun earlier, is not an
-    abandoned one). Also recycles the staging slots and reservation areas of dead processes, drops their
-    holds (see ``process_hold``) and empties the trash."""
+    abandoned one). With ``children`` also those that child processes of this one started before
+    ``before``: the caller knows that none of them is saving (DCP's checkpoint process, which has answered
+    every save sent to it). Also recycles the staging slots and reservation areas of dead processes, drops
+    their holds (see ``process_hold``) and empties the trash."""
     cleared = []
     try:
         entries = list(os.scandir(layout.checkpoints_dir))
@@ -458,7 +470,9 @@ def clear_abandoned(
             stale = True  # neither marker: a directory no save protocol step leaves behind
         else:
             stale = not _owner_alive(layout, owner) or (
-                before is not None and _is_self(owner) and owner.get("started", before) < before
+                before is not None
+                and owner.get("started", before) < before
+                and (_is_self(owner) or (children and _is_child(owner)))
             )
         if stale:
             discard(layout, d)

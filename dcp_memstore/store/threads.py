@@ -1,9 +1,11 @@
-"""Process-wide I/O thread pools, so a save or load does not pay for starting threads each time."""
+"""Process-wide I/O thread pools, so a save or load does not pay for starting threads each time; and what
+another thread is running now (``runs_code_of``)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -65,6 +67,17 @@ def in_own_thread(fn: Callable[[], T]) -> T:
     if not ok:
         raise value
     return value
+
+
+def runs_code_of(thread: threading.Thread, filename: str) -> bool:
+    """Whether ``thread`` is inside code of the source file ``filename`` now (some frame of its stack is):
+    to tell what another thread is doing, e.g. whether it is still inside one of DCP's calls."""
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code.co_filename == filename:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _start_child_without_pools() -> None:

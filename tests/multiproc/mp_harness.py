@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan
@@ -325,6 +326,17 @@ class SlowPlanner(DefaultSavePlanner):
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         time.sleep(4)
         return super().finish_plan(new_plan)
+
+
+class SlowWriteOnRank1(DefaultSavePlanner):
+    """Holds rank 1's write for 4 s (at its first item), while the other ranks have written their files into
+    the checkpoint's directory and wait for rank 1 in DCP's collective. Importable, as ``SlowPlanner``."""
+
+    def resolve_data(self, write_item: Any) -> Any:
+        if dist.get_rank() == 1 and not getattr(self, "_slept", False):
+            self._slept = True
+            time.sleep(4)
+        return super().resolve_data(write_item)
 
 
 def write_record(path: Path, text: str) -> None:

@@ -3,6 +3,7 @@ of our exceptions has to survive pickling with its message."""
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import Future
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from mp_harness import SlowPlanner, assert_bit_equal, make_tensor
+from mp_harness import SlowPlanner, SlowWriteOnRank1, assert_bit_equal, make_tensor
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
@@ -203,3 +204,93 @@ def test_a_sparse_tensor_on_one_rank_fails_dcp_save_on_every_rank_before_any_ran
     for rank, r in enumerate(mp.run(save_sparse_on_rank_1, 2, str(mp.root))):
         assert "state_dict entry 'emb' is a torch.sparse_coo tensor" in r["error"], (rank, r)
         assert r["written"] == [] and r["pooled"] == [], (rank, r)
+
+
+def _sized_state(rank: int, seed: int, mib: tuple[float, ...]) -> dict:
+    """One float32 tensor of each size in ``mib`` (MiB) for rank ``rank``."""
+    return {
+        f"rank{rank}.{i}": make_tensor(seed + i, (int(m * (1 << 18)),), torch.float32)
+        for i, m in enumerate(mib)
+    }
+
+
+def _process_save(store: MemStore, state: dict, cid: str, planner: SavePlanner | None = None) -> Future:
+    """An async save on DCP's PROCESS executor, with a writer of its own."""
+    return dcp.async_save(
+        state,
+        checkpoint_id=cid,
+        storage_writer=MemoryStorageWriter(store),
+        planner=planner,
+        async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+    )
+
+
+def failed_process_save_then_one_needing_its_memory(rank: int, world: int, root: str) -> dict:
+    """PROCESS-executor async saves on an 8 MiB tmpfs. In save "a" rank 0 stages 3 MiB; rank 1 stages a
+    little and has a 6 MiB value that DCP pickles whole, for which its write finds no room: "a" fails on
+    every rank after rank 0 wrote its 3 MiB file into the directory its checkpoint process began. In save
+    "b" rank 0 stages the same 3 MiB tensor and 2.5 MiB more: that fits only with the failed save's file."""
+    store = MemStore(root, "job", io_threads=2, stage_timeout_s=30)
+    first = _sized_state(rank, rank, (3,) if rank == 0 else (0.01,))
+    if rank == 1:
+        first["blob"] = bytes(6 << 20)
+    failed = outcome(lambda: _process_save(store, first, "a").result(timeout=60))
+    left = sorted(os.listdir(store.layout.checkpoints_dir))
+    second = _sized_state(rank, 10 + rank, (3, 2.5) if rank == 0 else (0.01,))
+    saved = outcome(lambda: _process_save(store, second, "b").result(timeout=60))
+    loaded = outcome(lambda: _load_bit_exact(store, "b", second, rank)) if saved == "ok" else "not saved"
+    return {
+        "failed": failed,
+        "left": left,
+        "saved": saved,
+        "loaded": loaded,
+        "listed": store.list_checkpoints(),
+    }
+
+
+def test_the_memory_of_a_save_that_failed_in_dcps_checkpoint_process_serves_the_next_save(
+    mp, small_tmpfs
+) -> None:
+    """With the PROCESS executor a failed save's directory belongs to DCP's checkpoint process, which lives
+    on: the trainer's space check must still reclaim its files, or no later save that needs that memory
+    can ever be staged."""
+    for rank, r in enumerate(mp.run(failed_process_save_then_one_needing_its_memory, 2, str(small_tmpfs))):
+        assert "not enough space" in r["failed"], (rank, r)
+        assert r["left"] == ["a"], (rank, r)  # the scenario: the failed save's directory is still there
+        assert r["saved"] == "ok" and r["loaded"] == "ok", (rank, r)
+        assert r["listed"] == ["b"], (rank, r)
+    assert sorted(os.listdir(small_tmpfs / "job" / "checkpoints")) == ["b"]
+
+
+def save_without_room_while_one_is_written(rank: int, world: int, root: str) -> dict:
+    """PROCESS-executor async saves on an 8 MiB tmpfs, two in flight. Save "x" (3 MiB on rank 0) is being
+    written: rank 0's file is in the directory its checkpoint process began, rank 1 is slow. Then rank 0
+    stages "y" (5.5 MiB), which does not fit while "x" holds its memory. A first save, "w", waited on by
+    every rank, starts DCP's checkpoint process (until it runs, async_save starts it with a collective)."""
+    store = MemStore(root, "job", io_threads=2, max_in_flight=2, stage_timeout_s=30)
+    _process_save(store, _sized_state(rank, 20 + rank, (0.01,)), "w").result(timeout=60)
+    first = _sized_state(rank, rank, (3,) if rank == 0 else (0.01,))
+    fx = _process_save(store, first, "x", planner=SlowWriteOnRank1())
+    if rank == 0:
+        deadline = time.monotonic() + 60
+        while not list(store.layout.checkpoint_dir("x").glob("*.shard")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    written = sorted(p.name for p in store.layout.checkpoint_dir("x").glob("*.shard"))
+    fy = _process_save(store, _sized_state(rank, 10 + rank, (5.5,) if rank == 0 else (0.01,)), "y")
+    x = outcome(lambda: fx.result(timeout=60))
+    y = outcome(lambda: fy.result(timeout=60))
+    loaded = outcome(lambda: _load_bit_exact(store, "x", first, rank))
+    return {"written": written, "x": x, "y": y, "loaded": loaded, "listed": store.list_checkpoints()}
+
+
+def test_the_space_check_never_reclaims_a_save_that_dcps_checkpoint_process_is_writing(
+    mp, small_tmpfs
+) -> None:
+    """The directory of a save still running in DCP's checkpoint process is not a failed save's: the save
+    that finds no room fails, and the one being written commits intact."""
+    for rank, r in enumerate(mp.run(save_without_room_while_one_is_written, 2, str(small_tmpfs))):
+        if rank == 0:  # the scenario: "y" was staged while "x" had rank 0's file in its directory
+            assert r["written"], (rank, r)
+        assert r["x"] == "ok" and r["loaded"] == "ok", (rank, r)
+        assert "not enough space" in r["y"], (rank, r)
+        assert r["listed"] == ["w", "x"], (rank, r)
