@@ -35,6 +35,7 @@ from dcp_memstore.replication.tcp import TcpTransport
 from dcp_memstore.status import CheckpointStatus
 from dcp_memstore.store import catalog, liveness, space
 from dcp_memstore.store.collective import all_gather_records, dist_active
+from dcp_memstore.store.environment import LOCAL_WORLD_SIZE_MEANING, env_int
 from dcp_memstore.store.ids import validate_name
 from dcp_memstore.store.layout import COMMITTED, StoreLayout
 from dcp_memstore.store.mapping import MAPPINGS
@@ -72,18 +73,8 @@ def resolve_job_id(job_id: str | None) -> str:
     return validate_name(job_id, "job id")
 
 
-def _env_int(var: str, default: int, meaning: str) -> int:
-    """``$var`` as an int, ``default`` if it is unset or empty; ValueError naming the variable if it is no
-    int (``meaning`` says what it should hold)."""
-    raw = os.environ.get(var, "")
-    try:
-        return int(raw) if raw else default
-    except ValueError:
-        raise ValueError(f"${var}={raw!r} is not an int ({meaning})") from None
-
-
 def _default_io_threads() -> int:
-    local_world = _env_int("LOCAL_WORLD_SIZE", 1, "torchrun's number of ranks on this node")
+    local_world = env_int("LOCAL_WORLD_SIZE", 1, LOCAL_WORLD_SIZE_MEANING)
     return max(1, min(4, (os.cpu_count() or 1) // max(1, local_world)))
 
 
@@ -232,7 +223,7 @@ class MemStore(PersistingStore, ReplicatingStore):
         if self.target is None and (persist_every is not None or storage_options is not None):
             raise ValueError("persist_every and storage_options need persist_to (a URL or directory)")
         if replicas is None:
-            replicas = _env_int(ENV_REPLICAS, 1, "replicas per node, 0: off")
+            replicas = env_int(ENV_REPLICAS, 1, "replicas per node, 0: off")
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
             raise ValueError(f"replicas must be an int >= 0 (0 turns replication off), got {replicas!r}")
         self.replicas = replicas

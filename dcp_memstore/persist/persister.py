@@ -34,6 +34,7 @@ from dcp_memstore.persist.publish import publish, read_parts, remote_commit, wri
 from dcp_memstore.persist.target import PersistTarget, describe, is_permanent
 from dcp_memstore.store import catalog
 from dcp_memstore.store.collective import dist_active
+from dcp_memstore.store.environment import LOCAL_RANK_MEANING, LOCAL_WORLD_SIZE_MEANING, env_int
 from dcp_memstore.store.faults import crash_point
 from dcp_memstore.store.layout import MANIFEST, StoreLayout, file_rank
 from dcp_memstore.store.manifest import Manifest
@@ -50,8 +51,10 @@ BACKOFF_MAX_S = 30.0
 def local_rank_and_size() -> tuple[int, int]:
     """This process's rank among the processes of its node, and their number (torchrun's LOCAL_RANK and
     LOCAL_WORLD_SIZE; else the process group, taken as one node; else 0 of 1)."""
-    if os.environ.get("LOCAL_RANK") and os.environ.get("LOCAL_WORLD_SIZE"):  # empty counts as unset
-        return int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    local_rank = env_int("LOCAL_RANK", None, LOCAL_RANK_MEANING)
+    local_size = env_int("LOCAL_WORLD_SIZE", None, LOCAL_WORLD_SIZE_MEANING)
+    if local_rank is not None and local_size is not None:
+        return local_rank, local_size
     if dist_active():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1

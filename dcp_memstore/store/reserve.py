@@ -33,6 +33,7 @@ import torch
 
 from dcp_memstore.store import liveness
 from dcp_memstore.store.catalog import claim_owner, recycle
+from dcp_memstore.store.environment import LOCAL_WORLD_SIZE_MEANING, env_int
 from dcp_memstore.store.layout import StoreLayout, reserve_name, shard_name
 from dcp_memstore.store.mapping import MAPPINGS, MappedFile
 from dcp_memstore.store.pool import FilePool
@@ -138,7 +139,9 @@ class Reservation:
                 return
             needed = sum(missing)
             free = free_bytes(self.layout.job_dir)
-            ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)  # the others may reserve as much now
+            ranks_here = env_int(
+                "LOCAL_WORLD_SIZE", 1, LOCAL_WORLD_SIZE_MEANING
+            )  # they may reserve as much now
             if needed * ranks_here > free:
                 log.debug("no reservation of %d bytes (x %d ranks): %d bytes free", needed, ranks_here, free)
                 return
