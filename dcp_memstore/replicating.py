@@ -84,15 +84,16 @@ class ReplicatingStore:
                 continue
             if cid in in_memory and not is_owed(self.layout, cid):
                 Progress(self.layout, cid, self.target.url).request("owed by another node")
-            if is_owed(self.layout, cid):
-                restoring = {
-                    rank
-                    for node, inv in inventories.items()
-                    if cid not in (c for c, *_ in inv["committed"])
-                    for rank in peers.node_ranks(node)
-                }
-                self._take_over(cid, inventories, peers.node.node_rank, restoring)
-            if cid not in in_memory and is_owed(self.layout, cid):
+            if not is_owed(self.layout, cid):
+                continue
+            restoring = {
+                rank
+                for node, inv in inventories.items()
+                if cid not in (c for c, *_ in inv["committed"])
+                for rank in peers.node_ranks(node)
+            }
+            self._take_over(cid, inventories, peers.node.node_rank, restoring)
+            if cid not in in_memory:
                 self._report_unheld(cid, unheld(list(inventories.values()))[cid][1])
         if self.replicas:
             resync(self.layout, peers, inventories)

@@ -206,7 +206,8 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                 # (see stage), once it is its turn (never in collectives while an earlier save is in its)
                 failed, cid = failed or e, None
             # Wait for earlier saves of this job in this process before touching any per-save state.
-            failed = self._wait_turn(ticket[0] if ticket else None, failed)
+            seq = ticket[0] if ticket else None
+            failed = self._defer_timeout(functools.partial(self._order.begin, seq), failed)
         except BaseException:
             self._current = ticket
             self._release_slot()
@@ -217,11 +218,6 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         self._save_started = time.time()
         if ticket is not None and ticket[1] is not None:
             _recycle_unwritten_before(self.store.layout, Path(ticket[1]))
-
-    def _wait_turn(self, seq: int | None, failed: BaseException | None) -> BaseException | None:
-        """Wait until every earlier save of this job in this process has ended; return the error this save
-        is to fail with (see ``_defer_timeout``)."""
-        return self._defer_timeout(functools.partial(self._order.begin, seq), failed)
 
     def _defer_timeout(
         self, wait: Callable[[float], None], failed: BaseException | None
