@@ -17,11 +17,11 @@ xxh3-64 checksum, which guards against corruption, not against a man in the midd
 
 from __future__ import annotations
 
+import heapq
 import hmac
 import secrets
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from hashlib import sha256
 from typing import Any
@@ -122,8 +122,12 @@ def verify_reply(reply: Mapping, secret: bytes, request_nonce: bytes, index: int
 class RequestVerifier:
     """Checks requests for one job: MAC, job, timestamp window and nonce reuse. Thread-safe.
 
-    Nonces are remembered for the time window (a request older than that is refused by its timestamp
-    anyway), at most ``max_nonces`` of them; beyond that the oldest are forgotten first.
+    A request's nonce is remembered while its timestamp is inside the time window (later, the window
+    refuses the request anyway), at most ``max_nonces`` of them. When that many are remembered, the nonce
+    with the oldest timestamp is forgotten and the window shrinks: from then on a request signed at or
+    before that timestamp is refused too. So a replay inside the window is always refused, however many
+    requests arrive, and a fresh request is never refused for lack of room; only one signed before the
+    ``max_nonces`` newest accepted ones (a replay, a long-delayed request, or a clock far behind) is.
     """
 
     def __init__(
@@ -139,7 +143,9 @@ class RequestVerifier:
         self.window_ms = int(window_s * 1000)
         self.max_nonces = max_nonces
         self._clock_ms = clock_ms
-        self._seen: OrderedDict[bytes, int] = OrderedDict()
+        self._seen: set[bytes] = set()
+        self._by_ts: list[tuple[int, bytes]] = []  # a heap of (ts, nonce) of the nonces in _seen
+        self._floor = -1  # the newest timestamp whose nonce was forgotten before its window ended
         self._lock = threading.Lock()
 
     def verify(self, header: Mapping) -> None:
@@ -164,16 +170,22 @@ class RequestVerifier:
                 f"{self.window_ms / 1000:.0f} s): synchronise the nodes' clocks, or it is a replayed request"
             )
         with self._lock:
-            while self._seen and (
-                len(self._seen) >= self.max_nonces or self._oldest() < now - self.window_ms
-            ):
-                self._seen.popitem(last=False)
+            while self._by_ts and self._by_ts[0][0] < now - self.window_ms:
+                self._seen.discard(heapq.heappop(self._by_ts)[1])  # the window refuses its request now
             if nonce in self._seen:
                 raise AuthError("the request replays an earlier one (its nonce was already used)")
-            self._seen[nonce] = ts
-
-    def _oldest(self) -> int:
-        return next(iter(self._seen.values()))
+            if ts <= self._floor:
+                raise AuthError(
+                    f"the request was signed {(now - ts) / 1000:.1f} s ago, before the {self.max_nonces} "
+                    f"newest requests this server accepted, and it remembers no older ones: it is a "
+                    f"replayed request, or it was delayed that long, or its node's clock is behind"
+                )
+            self._seen.add(nonce)
+            heapq.heappush(self._by_ts, (ts, nonce))
+            if len(self._seen) > self.max_nonces:
+                oldest, forgotten = heapq.heappop(self._by_ts)
+                self._seen.discard(forgotten)
+                self._floor = max(self._floor, oldest)
 
 
 def secret_store_key(job_id: str) -> str:

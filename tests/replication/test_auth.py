@@ -77,17 +77,40 @@ def test_nonce_memory_is_bounded_and_expires(monkeypatch):
     now = [1_000_000]
     monkeypatch.setattr(auth, "_now_ms", lambda: now[0])  # the signer's clock
     v = auth.RequestVerifier(SECRET, "job", window_s=10, max_nonces=4, clock_ms=lambda: now[0])
-    requests = [_signed() for _ in range(6)]
-    for h in requests:
-        v.verify(h)
+    for _ in range(6):
+        now[0] += 1
+        v.verify(_signed())
     assert len(v._seen) == 4  # the two oldest were forgotten to stay within max_nonces
-    with pytest.raises(auth.AuthError, match="replays"):
-        v.verify(requests[-1])
     now[0] += 11_000  # past the window: the remembered nonces are dropped, their requests are stale anyway
-    v.verify(_signed())
+    late = _signed()
+    v.verify(late)
     assert len(v._seen) == 1
+    now[0] += 11_000
     with pytest.raises(auth.AuthError, match="off this node's clock"):
-        v.verify(requests[-1])
+        v.verify(late)
+
+
+def test_a_replay_inside_the_window_is_refused_after_a_flood_of_fresh_requests(monkeypatch):
+    """A captured request replayed after more fresh requests than the verifier remembers (so its nonce was
+    forgotten) is still refused; the fresh requests all pass, whatever order their timestamps come in."""
+    now = [1_000_000]
+    monkeypatch.setattr(auth, "_now_ms", lambda: now[0])
+    v = auth.RequestVerifier(SECRET, "job", window_s=300, max_nonces=8, clock_ms=lambda: now[0])
+    captured = _signed()
+    v.verify(captured)
+    behind = []  # requests of a node whose clock is 2 ms behind, arriving among the others
+    for _ in range(20):
+        now[0] += 3
+        v.verify(_signed())
+        now[0] -= 2
+        behind.append(_signed())
+        now[0] += 2
+        v.verify(behind[-1])
+    assert len(v._seen) == 8
+    for replay in (captured, behind[0], behind[-1]):
+        with pytest.raises(auth.AuthError, match="replay"):
+            v.verify(replay)
+    v.verify(_signed())  # a fresh request still passes
 
 
 def test_canonical_encoding_ignores_key_order_and_mac():
