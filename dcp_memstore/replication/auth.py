@@ -2,8 +2,10 @@
 
 A peer server accepts a request only if it carries a MAC made with this job's secret over the request's
 canonical encoding (msgpack, map keys sorted, without the ``mac`` field), which covers the ``job``, the
-``op``, every argument, a timestamp ``ts`` (Unix milliseconds) and a random ``nonce``. Requests outside the
-time window (clock skew or a stale capture) and nonces already seen (a replay) are refused. Replies are
+``op``, every argument, the server it is for (``to``: the server's address as the client's connection
+reached it, see ``destination``), a timestamp ``ts`` (Unix milliseconds) and a random ``nonce``. Requests
+for another server (a capture replayed to a server that has not seen its nonce), outside the time window
+(clock skew or a stale capture) and nonces already seen (a replay) are refused. Replies are
 signed too, bound to the request by echoing its nonce (``re``), so a client also knows it talks to a peer of
 its own job, and to their place among that request's replies (a ``put``'s go-ahead is reply 0, its "stored"
 reply 1), so a go-ahead replayed by a man in the middle never passes for the answer that the bytes were
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import hmac
+import ipaddress
 import secrets
 import threading
 import time
@@ -84,9 +87,22 @@ def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def sign_request(header: Mapping, secret: bytes, job_id: str) -> dict:
-    """``header`` (with its ``op``) plus ``job``, ``ts``, a fresh ``nonce`` and the ``mac`` over all of it."""
-    signed = {**header, "job": job_id, "ts": _now_ms(), "nonce": secrets.token_bytes(NONCE_BYTES)}
+def destination(sockaddr: tuple) -> str:
+    """The name of a server in the requests sent to it (field ``to``): ``host:port`` (``[host]:port`` for
+    IPv6) of the TCP endpoint ``sockaddr``, the host in its canonical form and an IPv4-mapped IPv6 address
+    as IPv4, so that the client (its connection's ``getpeername()``) and the server (``getsockname()``)
+    name it alike."""
+    host, port = sockaddr[0], sockaddr[1]
+    ip = ipaddress.ip_address(host.split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+
+
+def sign_request(header: Mapping, secret: bytes, job_id: str, to: str) -> dict:
+    """``header`` (with its ``op``) for the server named ``to`` (``destination``), plus ``job``, ``ts``, a
+    fresh ``nonce`` and the ``mac`` over all of it."""
+    signed = {**header, "job": job_id, "to": to, "ts": _now_ms(), "nonce": secrets.token_bytes(NONCE_BYTES)}
     signed["mac"] = _mac(secret, _REQUEST_DOMAIN, signed)
     return signed
 
@@ -148,8 +164,9 @@ class RequestVerifier:
         self._floor = -1  # the newest timestamp whose nonce was forgotten before its window ended
         self._lock = threading.Lock()
 
-    def verify(self, header: Mapping) -> None:
-        """Raise AuthError unless ``header`` is a fresh request signed with this job's secret."""
+    def verify(self, header: Mapping, to: str) -> None:
+        """Raise AuthError unless ``header`` is a fresh request signed with this job's secret for the server
+        named ``to`` (``destination`` of the server's end of the connection it came on)."""
         mac, nonce, ts, job = (header.get(k) for k in ("mac", "nonce", "ts", "job"))
         if not isinstance(mac, bytes) or len(mac) != MAC_BYTES:
             raise AuthError("the request carries no valid MAC (32 bytes in field 'mac')")
@@ -163,6 +180,12 @@ class RequestVerifier:
             )
         if job != self.job_id:
             raise AuthError(f"the request is for job {job!r}; this server serves job {self.job_id!r}")
+        if header.get("to") != to:
+            raise AuthError(
+                f"the request is for the replication server at {header.get('to')}; this is the one at {to}: "
+                f"it is a request replayed to another server, or the nodes reach each other through address "
+                f"translation (NAT, a proxy), which replication does not support"
+            )
         now = self._clock_ms()
         if abs(now - ts) > self.window_ms:
             raise AuthError(

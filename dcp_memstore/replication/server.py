@@ -44,7 +44,13 @@ from typing import TYPE_CHECKING
 from dcp_memstore.errors import InsufficientSpaceError
 from dcp_memstore.persist.progress import Progress
 from dcp_memstore.replication import wire
-from dcp_memstore.replication.auth import DEFAULT_WINDOW_S, AuthError, RequestVerifier, sign_reply
+from dcp_memstore.replication.auth import (
+    DEFAULT_WINDOW_S,
+    AuthError,
+    RequestVerifier,
+    destination,
+    sign_reply,
+)
 from dcp_memstore.replication.rdma_verbs import VerbsError, buffer_address
 from dcp_memstore.replication.transport import (
     IncomingFile,
@@ -220,6 +226,7 @@ class PeerServer:
     def _serve(self, conn: socket.socket, peer: tuple) -> None:
         nonce: bytes | None = None
         try:
+            to = destination(conn.getsockname())  # this server's name in requests that came this way
             while not self._closing:
                 nonce = None
                 try:
@@ -227,7 +234,7 @@ class PeerServer:
                     if header is None:
                         return
                     op = wire.validate_request(header)
-                    self.verifier.verify(header)
+                    self.verifier.verify(header, to)
                 except (wire.ProtocolError, AuthError) as e:
                     code = "auth" if isinstance(e, AuthError) else "bad_request"
                     log.warning("peer server of job %s: refused a request from %s: %s", self.job_id, peer, e)

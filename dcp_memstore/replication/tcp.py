@@ -3,8 +3,8 @@
 One connection per call, so a failed call leaves nothing behind to go stale and calls from several threads
 run side by side on their own connections. Sent bytes are streamed from the file's mapping (the one the
 writer already has, through the process's mapping cache) and received bytes land straight in the
-destination file's mapping. Every request is signed and every reply's signature checked (``auth``).
-Nothing is retried here: the caller decides.
+destination file's mapping. Every request is signed, naming the server at the address its connection
+reached, and every reply's signature checked (``auth``). Nothing is retried here: the caller decides.
 
 Errors name the peer and what was being done: ConnectionError (unreachable, connection lost), TimeoutError
 (the peer stayed silent for ``timeout_s``), ReplicationError (the peer refused, or answered nonsense).
@@ -21,7 +21,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from dcp_memstore.replication import wire
-from dcp_memstore.replication.auth import AuthError, check_secret, sign_request, verify_reply
+from dcp_memstore.replication.auth import (
+    AuthError,
+    check_secret,
+    destination,
+    sign_request,
+    verify_reply,
+)
 from dcp_memstore.replication.transport import (
     IncomingFile,
     OutgoingFile,
@@ -44,10 +50,12 @@ class _Call:
     def __init__(self, transport: TcpTransport, peer: PeerAddress, what: str) -> None:
         self.transport, self.peer, self.what = transport, (peer[0], int(peer[1])), what
         self.sock: socket.socket | None = None
+        self.to = ""  # the server's name in requests: its address as this connection reached it
 
     def connect(self) -> None:
         try:
             self.sock = socket.create_connection(self.peer, timeout=self.transport.timeout_s)
+            self.to = destination(self.sock.getpeername())
         except TimeoutError as e:
             raise TimeoutError(
                 f"peer {format_peer(self.peer)} did not accept a connection within "
@@ -78,7 +86,7 @@ class _Call:
 
     def request(self, op: str, fields: dict) -> tuple[bytes, dict]:
         """Send a signed ``op`` request; return its nonce and the peer's (verified) reply."""
-        header = sign_request({"op": op, **fields}, self.transport.secret, self.transport.job_id)
+        header = sign_request({"op": op, **fields}, self.transport.secret, self.transport.job_id, self.to)
         self.run(wire.send_header, header)
         return header["nonce"], self.reply(op, header["nonce"])
 

@@ -51,7 +51,7 @@ import msgpack
 import xxhash
 
 MAGIC = b"DCPM"
-VERSION = 1
+VERSION = 2  # 2: requests name their server (field "to", see auth)
 PREFIX = MAGIC + bytes([VERSION]) + b"\0\0\0"
 _FRAME = struct.Struct(">8sI")  # prefix, header length
 MAX_HEADER_BYTES = 64 << 10
@@ -148,6 +148,7 @@ def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
 AUTH_FIELDS: dict[str, Callable[[Any], bool]] = {
     "op": _str,
     "job": _str,
+    "to": _str,
     "ts": _uint,
     "nonce": _bytes,
     "mac": _bytes,
@@ -282,7 +283,8 @@ def recv_header(sock: socket.socket, eof_ok: bool = False) -> dict | None:
         )
     if prefix[4] != VERSION:
         raise ProtocolError(
-            f"wire version {prefix[4]} is not supported (this build speaks version {VERSION})"
+            f"wire version {prefix[4]} is not supported (this build speaks version {VERSION}): every "
+            f"node of a job must run the same dcp_memstore release"
         )
     if prefix[5:] != b"\0\0\0":
         raise ProtocolError("reserved bytes of the frame prefix are not zero")

@@ -12,52 +12,80 @@ import torch.distributed as dist
 from dcp_memstore.replication import auth
 
 SECRET = auth.new_secret()
+TO = "10.0.0.1:40001"  # the server the requests are for
 
 
 def _signed(**fields) -> dict:
-    return auth.sign_request({"op": "stat", "checkpoint": "step-1", **fields}, SECRET, "job")
+    return auth.sign_request({"op": "stat", "checkpoint": "step-1", **fields}, SECRET, "job", TO)
 
 
 def test_signed_request_verifies_once():
     v = auth.RequestVerifier(SECRET, "job")
     h = _signed()
-    assert set(h) == {"op", "checkpoint", "job", "ts", "nonce", "mac"}
-    v.verify(h)
+    assert set(h) == {"op", "checkpoint", "job", "to", "ts", "nonce", "mac"}
+    v.verify(h, TO)
     with pytest.raises(auth.AuthError, match="replays"):
-        v.verify(h)
+        v.verify(h, TO)
 
 
 def test_every_field_is_covered_by_the_mac():
     v = auth.RequestVerifier(SECRET, "job")
     h = _signed()
-    for key, other in [("checkpoint", "step-2"), ("op", "ping"), ("job", "job2"), ("ts", h["ts"] + 1)]:
+    for key, other in [
+        ("checkpoint", "step-2"),
+        ("op", "ping"),
+        ("job", "job2"),
+        ("to", "10.0.0.2:40001"),
+        ("ts", h["ts"] + 1),
+    ]:
         with pytest.raises(auth.AuthError, match="MAC is wrong"):
-            v.verify({**h, key: other})
+            v.verify({**h, key: other}, TO)
     with pytest.raises(auth.AuthError, match="MAC is wrong"):
-        v.verify({**h, "nonce": b"x" * 16})
+        v.verify({**h, "nonce": b"x" * 16}, TO)
     with pytest.raises(auth.AuthError, match="MAC is wrong"):
-        v.verify({**h, "extra": 1})
+        v.verify({**h, "extra": 1}, TO)
 
 
 def test_wrong_secret_and_missing_fields():
     v = auth.RequestVerifier(SECRET, "job")
     with pytest.raises(auth.AuthError, match="does not hold this job's replication secret"):
-        v.verify(auth.sign_request({"op": "ping"}, auth.new_secret(), "job"))
+        v.verify(auth.sign_request({"op": "ping"}, auth.new_secret(), "job", TO), TO)
     h = _signed()
     with pytest.raises(auth.AuthError, match="no valid MAC"):
-        v.verify({k: x for k, x in h.items() if k != "mac"})
+        v.verify({k: x for k, x in h.items() if k != "mac"}, TO)
     with pytest.raises(auth.AuthError, match="no valid MAC"):
-        v.verify({**h, "mac": h["mac"][:16]})
+        v.verify({**h, "mac": h["mac"][:16]}, TO)
     with pytest.raises(auth.AuthError, match="no valid nonce"):
-        v.verify({k: x for k, x in h.items() if k != "nonce"})
+        v.verify({k: x for k, x in h.items() if k != "nonce"}, TO)
     with pytest.raises(auth.AuthError, match="no timestamp"):
-        v.verify({k: x for k, x in h.items() if k != "ts"})
+        v.verify({k: x for k, x in h.items() if k != "ts"}, TO)
 
 
 def test_same_secret_other_job_refused():
     v = auth.RequestVerifier(SECRET, "job")
     with pytest.raises(auth.AuthError, match="for job 'other'"):
-        v.verify(auth.sign_request({"op": "ping"}, SECRET, "other"))
+        v.verify(auth.sign_request({"op": "ping"}, SECRET, "other", TO), TO)
+
+
+def test_a_request_for_another_server_is_refused():
+    h = _signed()
+    v = auth.RequestVerifier(SECRET, "job")
+    with pytest.raises(auth.AuthError, match="for the replication server at 10.0.0.1:40001; this is the one"):
+        v.verify(h, "10.0.0.1:40002")
+    v.verify(h, TO)  # refused before its nonce was remembered: its own server still takes it
+
+
+@pytest.mark.parametrize(
+    ("sockaddr", "name"),
+    [
+        (("10.1.2.3", 80), "10.1.2.3:80"),
+        (("::ffff:10.1.2.3", 80, 0, 0), "10.1.2.3:80"),  # an IPv4 client of a dual-stack server
+        (("fe80:0:0::1", 80, 0, 2), "[fe80::1]:80"),
+        (("fe80::1%eth0", 80, 0, 2), "[fe80::1]:80"),
+    ],
+)
+def test_destination_names_an_endpoint_alike_from_both_ends(sockaddr, name):
+    assert auth.destination(sockaddr) == name
 
 
 @pytest.mark.parametrize("skew_s", [-301, 301, -3600])
@@ -65,12 +93,12 @@ def test_timestamp_outside_window_refused(skew_s):
     h = _signed()
     v = auth.RequestVerifier(SECRET, "job", window_s=300, clock_ms=lambda: h["ts"] - skew_s * 1000)
     with pytest.raises(auth.AuthError, match="off this node's clock"):
-        v.verify(h)
+        v.verify(h, TO)
 
 
 def test_timestamp_inside_window_accepted():
     h = _signed()
-    auth.RequestVerifier(SECRET, "job", window_s=300, clock_ms=lambda: h["ts"] + 299_000).verify(h)
+    auth.RequestVerifier(SECRET, "job", window_s=300, clock_ms=lambda: h["ts"] + 299_000).verify(h, TO)
 
 
 def test_nonce_memory_is_bounded_and_expires(monkeypatch):
@@ -79,15 +107,15 @@ def test_nonce_memory_is_bounded_and_expires(monkeypatch):
     v = auth.RequestVerifier(SECRET, "job", window_s=10, max_nonces=4, clock_ms=lambda: now[0])
     for _ in range(6):
         now[0] += 1
-        v.verify(_signed())
+        v.verify(_signed(), TO)
     assert len(v._seen) == 4  # the two oldest were forgotten to stay within max_nonces
     now[0] += 11_000  # past the window: the remembered nonces are dropped, their requests are stale anyway
     late = _signed()
-    v.verify(late)
+    v.verify(late, TO)
     assert len(v._seen) == 1
     now[0] += 11_000
     with pytest.raises(auth.AuthError, match="off this node's clock"):
-        v.verify(late)
+        v.verify(late, TO)
 
 
 def test_a_replay_inside_the_window_is_refused_after_a_flood_of_fresh_requests(monkeypatch):
@@ -97,20 +125,20 @@ def test_a_replay_inside_the_window_is_refused_after_a_flood_of_fresh_requests(m
     monkeypatch.setattr(auth, "_now_ms", lambda: now[0])
     v = auth.RequestVerifier(SECRET, "job", window_s=300, max_nonces=8, clock_ms=lambda: now[0])
     captured = _signed()
-    v.verify(captured)
+    v.verify(captured, TO)
     behind = []  # requests of a node whose clock is 2 ms behind, arriving among the others
     for _ in range(20):
         now[0] += 3
-        v.verify(_signed())
+        v.verify(_signed(), TO)
         now[0] -= 2
         behind.append(_signed())
         now[0] += 2
-        v.verify(behind[-1])
+        v.verify(behind[-1], TO)
     assert len(v._seen) == 8
     for replay in (captured, behind[0], behind[-1]):
         with pytest.raises(auth.AuthError, match="replay"):
-            v.verify(replay)
-    v.verify(_signed())  # a fresh request still passes
+            v.verify(replay, TO)
+    v.verify(_signed(), TO)  # a fresh request still passes
 
 
 def test_canonical_encoding_ignores_key_order_and_mac():
@@ -135,7 +163,7 @@ def test_reply_signature():
 
 def test_request_mac_never_passes_as_reply_mac():
     """Domain separation: a signed request replayed back to its sender is not a valid reply."""
-    h = auth.sign_request({"op": "ping"}, SECRET, "job")
+    h = auth.sign_request({"op": "ping"}, SECRET, "job", TO)
     fake = {**h, "re": h["nonce"]}
     with pytest.raises(auth.AuthError):
         auth.verify_reply(fake, SECRET, h["nonce"])

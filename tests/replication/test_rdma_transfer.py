@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from dcp_memstore.replication import PeerServer, ReplicationError, TcpTransport, tcp, wire
-from dcp_memstore.replication.auth import new_secret, sign_request
+from dcp_memstore.replication.auth import destination, new_secret, sign_request
 from dcp_memstore.replication.rdma import RdmaEndpoint, RdmaTransport
 from dcp_memstore.replication.rdma_verbs import SEND_WINDOW
 from dcp_memstore.store.layout import COMMITTED, StoreLayout, shard_name
@@ -405,9 +405,9 @@ def qp_fields(**over) -> dict:
     return {**qp, **over}
 
 
-def rdma_put_header(secret: bytes, size: int = PIECE, **over) -> dict:
+def rdma_put_header(server: PeerServer, secret: bytes, size: int = PIECE, **over) -> dict:
     fields = {"source": "node0", "checkpoint": "s", "file": "f", "size": size, "qp": qp_fields(), **over}
-    return sign_request({"op": "rdma_put", **fields}, secret, JOB)
+    return sign_request({"op": "rdma_put", **fields}, secret, JOB, destination(server.address))
 
 
 def refused(server: PeerServer, header: dict, code: str) -> dict:
@@ -435,17 +435,17 @@ def refused(server: PeerServer, header: dict, code: str) -> dict:
     ],
 )
 def test_bad_rdma_requests_refused_before_any_registration(fabric, server, secret, peer_root, over, code):
-    refused(server, rdma_put_header(secret, **over), code)
+    refused(server, rdma_put_header(server, secret, **over), code)
     assert fabric.registrations == [] and fabric.qps_created == 0
     assert no_replicas(peer_root)
 
 
 def test_unauthenticated_and_replayed_rdma_requests_refused(fabric, server, secret, peer_root):
-    refused(server, rdma_put_header(new_secret()), "auth")
+    refused(server, rdma_put_header(server, new_secret()), "auth")
     get = {"op": "rdma_get", "checkpoint": "s", "file": "f", "source": None, "qp": qp_fields()}
-    refused(server, sign_request(get, new_secret(), JOB), "auth")
+    refused(server, sign_request(get, new_secret(), JOB, destination(server.address)), "auth")
     assert fabric.registrations == [] and fabric.qps_created == 0
-    h = rdma_put_header(secret)
+    h = rdma_put_header(server, secret)
     s = socket.create_connection(server.address, timeout=10)
     wire.send_header(s, h)
     reply = wire.recv_header(s)  # authenticated: the go-ahead, with the file exposed

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgpack
 import psutil
 import pytest
 import torch.distributed as dist
@@ -25,8 +26,8 @@ import torch.distributed as dist
 from dcp_memstore import MemStore
 from dcp_memstore.errors import InsufficientSpaceError
 from dcp_memstore.persist.progress import Progress
-from dcp_memstore.replication import PeerServer, ReplicationError, TcpTransport, wire
-from dcp_memstore.replication.auth import new_secret, sign_request
+from dcp_memstore.replication import PeerServer, ReplicationError, TcpTransport, tcp, wire
+from dcp_memstore.replication.auth import destination, new_secret, sign_request
 from dcp_memstore.replication.placement import NodeInfo
 from dcp_memstore.replication.service import ReplicationService
 from dcp_memstore.store import liveness
@@ -67,13 +68,14 @@ def raw_connect(server: PeerServer) -> socket.socket:
     return s
 
 
-def signed(secret: bytes, op: str, **fields) -> dict:
-    return sign_request({"op": op, **fields}, secret, JOB)
+def signed(address: tuple[str, int], secret: bytes, op: str, **fields) -> dict:
+    """A request of job JOB for the server listening at ``address``, signed with ``secret``."""
+    return sign_request({"op": op, **fields}, secret, JOB, destination(address))
 
 
-def put_header(secret: bytes, size: int, **over) -> dict:
+def put_header(address: tuple[str, int], secret: bytes, size: int, **over) -> dict:
     fields = {"source": "node0", "checkpoint": "step-1", "file": shard_name(0, 0), "size": size, **over}
-    return signed(secret, "put", **fields)
+    return signed(address, secret, "put", **fields)
 
 
 def refused(sock: socket.socket, code: str) -> dict:
@@ -196,7 +198,7 @@ def test_concurrent_puts_from_several_threads(server, secret, local, peer_root):
 def test_ping_and_several_requests_on_one_connection(server, secret):
     s = raw_connect(server)
     for _ in range(3):
-        h = signed(secret, "ping")
+        h = signed(server.address, secret, "ping")
         wire.send_header(s, h)
         reply = wire.recv_header(s)
         assert reply["ok"] is True and reply["re"] == h["nonce"]
@@ -208,7 +210,7 @@ def test_ping_and_several_requests_on_one_connection(server, secret):
 
 def test_corrupt_payload_refused_and_nothing_kept(server, secret, peer_root):
     data = os.urandom(3 * MiB)
-    s = send_raw(server, put_header(secret, len(data)))
+    s = send_raw(server, put_header(server.address, secret, len(data)))
     assert wire.recv_header(s)["ok"] is True  # go-ahead
     checksum = wire.send_payload(s, memoryview(data))
     wire.send_trailer(s, checksum ^ 1)  # as if a bit flipped on the way
@@ -218,7 +220,7 @@ def test_corrupt_payload_refused_and_nothing_kept(server, secret, peer_root):
 
 
 def test_payload_cut_short_leaves_nothing(server, secret, peer_root, transport):
-    s = send_raw(server, put_header(secret, 2 * MiB))
+    s = send_raw(server, put_header(server.address, secret, 2 * MiB))
     assert wire.recv_header(s)["ok"] is True
     s.sendall(b"x" * MiB)
     s.close()
@@ -238,22 +240,22 @@ def test_wrong_secret_refused_and_nothing_written(server, local, peer_root):
         with pytest.raises(ReplicationError) as e:
             intruder.stat(server.address, "step-1")
         assert e.value.code == "auth"
-    s = send_raw(server, put_header(new_secret(), 10))
+    s = send_raw(server, put_header(server.address, new_secret(), 10))
     s.sendall(b"y" * 10)  # an intruder that does not wait for the go-ahead
     refused(s, "auth")
     assert files_under(peer_root) == []
 
 
 def test_other_job_refused(server, secret):
-    s = send_raw(server, sign_request({"op": "ping"}, secret, "other-job"))
+    s = send_raw(server, sign_request({"op": "ping"}, secret, "other-job", destination(server.address)))
     assert "other-job" in refused(s, "auth")["error"]
 
 
 def test_missing_mac_refused(server, secret, peer_root):
-    h = put_header(secret, 10)
+    h = put_header(server.address, secret, 10)
     del h["mac"]
     refused(send_raw(server, h), "bad_request")
-    h = put_header(secret, 10)
+    h = put_header(server.address, secret, 10)
     h["mac"] = b""
     refused(send_raw(server, h), "auth")
     assert files_under(peer_root) == []
@@ -261,7 +263,7 @@ def test_missing_mac_refused(server, secret, peer_root):
 
 def test_replayed_request_refused(server, secret, peer_root):
     data = b"r" * 1000
-    h = put_header(secret, len(data))
+    h = put_header(server.address, secret, len(data))
     s = send_raw(server, h)
     assert wire.recv_header(s)["ok"] is True
     wire.send_trailer(s, wire.send_payload(s, memoryview(data)))
@@ -274,11 +276,63 @@ def test_replayed_request_refused(server, secret, peer_root):
     assert files_under(peer_root) == []
 
 
+def test_a_request_captured_on_its_way_to_one_server_is_refused_by_another(
+    server, transport, local, shm_dir, secret, monkeypatch
+):
+    """A put captured on its way to one node's server and replayed to another node's server of the same
+    job (which has not seen its nonce) is refused there, and writes nothing."""
+    captured = []
+    real_sign = tcp.sign_request
+    monkeypatch.setattr(tcp, "sign_request", lambda *a: captured.append(real_sign(*a)) or captured[-1])
+    data = os.urandom(1000)
+    src = make_file(local, "step-1", shard_name(0, 0), data)
+    transport.put_file(server.address, "node0", "step-1", shard_name(0, 0), src)
+    with PeerServer(shm_dir / "other", JOB, secret, "127.0.0.1") as other:
+        s = send_raw(other, captured[0])
+        s.sendall(data)  # an intruder that does not wait for the go-ahead
+        error = refused(s, "auth")["error"]
+        assert f"is for the replication server at 127.0.0.1:{server.address[1]}; " in error
+        assert f"this is the one at 127.0.0.1:{other.address[1]}" in error
+    assert files_under(shm_dir / "other") == []
+
+
+def test_a_node_of_another_release_gets_a_version_error(server, secret):
+    """Nodes running releases with different wire versions: the server refuses the other release's request
+    by its version, and a client reading the other release's refusal says the same, instead of an
+    authentication error."""
+    s = raw_connect(server)
+    body = msgpack.packb(signed(server.address, secret, "ping"))  # framed as the previous release did
+    s.sendall(b"DCPM\x01\x00\x00\x00" + struct.pack(">I", len(body)) + body)
+    assert (
+        "wire version 1 is not supported (this build speaks version 2)" in refused(s, "bad_request")["error"]
+    )
+
+    old = socket.create_server(("127.0.0.1", 0))  # answers as the previous release's server does
+
+    def answer() -> None:
+        conn, _ = old.accept()
+        with conn:
+            conn.recv(1 << 16)
+            reply = msgpack.packb({"ok": False, "code": "bad_request", "error": "wire version 2 ..."})
+            conn.sendall(b"DCPM\x01\x00\x00\x00" + struct.pack(">I", len(reply)) + reply)
+
+    t = threading.Thread(target=answer)
+    t.start()
+    try:
+        with TcpTransport(JOB, secret) as tr, pytest.raises(ReplicationError) as e:
+            tr.ping(old.getsockname())
+        assert e.value.code == "protocol"
+        assert "every node of a job must run the same dcp_memstore release" in str(e.value)
+    finally:
+        t.join(5)
+        old.close()
+
+
 def test_stale_timestamp_refused(server, secret, monkeypatch, peer_root):
     from dcp_memstore.replication import auth
 
     monkeypatch.setattr(auth, "_now_ms", lambda: time.time_ns() // 1_000_000 - 600_000)
-    s = send_raw(server, put_header(secret, 10))
+    s = send_raw(server, put_header(server.address, secret, 10))
     assert "off this node's clock" in refused(s, "auth")["error"]
     assert files_under(peer_root) == []
 
@@ -290,7 +344,7 @@ BAD_NAMES = ["..", "../x", "a/b", "/etc/passwd", "", "x" * 129, ".hidden", "a\\b
 @pytest.mark.parametrize("name", BAD_NAMES)
 def test_path_tricks_refused_by_server(server, secret, shm_dir, field, name):
     before = files_under(shm_dir)
-    s = send_raw(server, put_header(secret, 10, **{field: name}))
+    s = send_raw(server, put_header(server.address, secret, 10, **{field: name}))
     refused(s, "bad_request")
     assert files_under(shm_dir) == before
     assert not (shm_dir / "peer" / JOB / "replicas").exists()
@@ -300,8 +354,13 @@ def test_path_tricks_refused_by_server(server, secret, shm_dir, field, name):
 def test_path_tricks_refused_on_get_and_stat(server, secret, name):
     for field in ("checkpoint", "file", "source"):
         fields = {"checkpoint": "step-1", "file": "f", "source": "node0", "offset": 0, "length": None}
-        refused(send_raw(server, signed(secret, "get", **{**fields, field: name})), "bad_request")
-    refused(send_raw(server, signed(secret, "stat", checkpoint=name, persist_to=None)), "bad_request")
+        refused(
+            send_raw(server, signed(server.address, secret, "get", **{**fields, field: name})), "bad_request"
+        )
+    refused(
+        send_raw(server, signed(server.address, secret, "stat", checkpoint=name, persist_to=None)),
+        "bad_request",
+    )
 
 
 def test_path_tricks_refused_by_client_before_sending(transport, server, local):
@@ -356,9 +415,9 @@ def test_oversized_header_refused(server):
 
 def test_oversized_payload_refused(peer_root, secret, local):
     with PeerServer(peer_root, JOB, secret, "127.0.0.1", max_file_bytes=MiB) as server:
-        s = send_raw(server, put_header(secret, MiB + 1))
+        s = send_raw(server, put_header(server.address, secret, MiB + 1))
         assert "max_file_bytes" in refused(s, "too_large")["error"]
-        s = send_raw(server, put_header(secret, 2**64 - 1))
+        s = send_raw(server, put_header(server.address, secret, 2**64 - 1))
         refused(s, "too_large")
         src = make_file(local, "step-1", "big", os.urandom(MiB + 1))
         with TcpTransport(JOB, secret) as t, pytest.raises(ReplicationError) as e:
@@ -382,9 +441,11 @@ def test_wrong_magic_or_version_refused(server, raw):
 
 
 def test_malformed_and_unknown_requests_refused(server, secret, peer_root):
-    refused(send_raw(server, signed(secret, "delete", checkpoint="step-1")), "bad_request")
+    refused(send_raw(server, signed(server.address, secret, "delete", checkpoint="step-1")), "bad_request")
     refused(
-        send_raw(server, signed(secret, "put", source="n", checkpoint="c", file="f", size=True)),
+        send_raw(
+            server, signed(server.address, secret, "put", source="n", checkpoint="c", file="f", size=True)
+        ),
         "bad_request",
     )
     refused(send_raw(server, {"op": "ping"}), "bad_request")
@@ -480,17 +541,26 @@ def test_unsigned_ok_reply_is_not_trusted(secret):
         fake.close()
 
 
-def test_go_ahead_replayed_as_the_stored_reply_is_not_trusted(server, transport, local, peer_root):
+def test_go_ahead_replayed_as_the_stored_reply_is_not_trusted(
+    server, transport, local, peer_root, monkeypatch
+):
     """A man in the middle (a real TCP relay that lacks the secret) passes the put request and the
     server's signed go-ahead on, keeps the file's bytes from the server, and answers the sender with the
-    go-ahead again. The sender must not count the file as stored: nothing was kept."""
+    go-ahead again. The sender must not count the file as stored: nothing was kept.
+
+    The sender names the server as the destination of its request, as it would through a man in the
+    middle that takes over the server's address on the network (mocked: this machine cannot route the
+    server's address to the relay), so the server accepts the relayed request."""
     relay = socket.create_server(("127.0.0.1", 0))
+    monkeypatch.setattr(tcp, "destination", lambda _: destination(server.address))
+    relayed = []
 
     def intercept() -> None:
         client, _ = relay.accept()
         with client, socket.create_connection(server.address, timeout=10) as upstream:
             wire.send_header(upstream, wire.recv_header(client))  # the signed put request
             go_ahead = wire.recv_header(upstream)
+            relayed.append(go_ahead)
             wire.send_header(client, go_ahead)
             wire.recv_payload(client, memoryview(bytearray(MiB)))  # the bytes never reach the server
             wire.recv_trailer(client)
@@ -500,12 +570,13 @@ def test_go_ahead_replayed_as_the_stored_reply_is_not_trusted(server, transport,
     t.start()
     try:
         src = make_file(local, "step-1", shard_name(0, 0), os.urandom(MiB))
-        with pytest.raises(ReplicationError) as e:
+        with pytest.raises(ReplicationError, match="not reply 1 to this request") as e:
             transport.put_file(relay.getsockname(), "node0", "step-1", shard_name(0, 0), src)
         assert e.value.code == "auth"
     finally:
         t.join(10)
         relay.close()
+    assert relayed[0]["ok"] is True  # the server accepted the relayed request
     assert not (StoreLayout(peer_root, JOB).replica_dir("node0", "step-1") / shard_name(0, 0)).exists()
 
 
@@ -532,7 +603,7 @@ def test_connection_limit(peer_root, secret):
 
 def test_close_ends_transfers_in_flight_and_leaves_nothing(peer_root, secret):
     server = PeerServer(peer_root, JOB, secret, "127.0.0.1")
-    s = send_raw(server, put_header(secret, 4 * MiB))
+    s = send_raw(server, put_header(server.address, secret, 4 * MiB))
     assert wire.recv_header(s)["ok"] is True
     s.sendall(b"x" * MiB)  # and then stalls
     time.sleep(0.1)
@@ -598,7 +669,7 @@ def _put_half(address: tuple[str, int], secret: bytes, data: bytes) -> socket.so
     """Start a put of ``data`` as node0's replica of ``step-1``'s first shard and send its first half; the
     connection, to finish it on."""
     s = socket.create_connection(address, timeout=10)
-    wire.send_header(s, put_header(secret, len(data)))
+    wire.send_header(s, put_header(address, secret, len(data)))
     assert wire.recv_header(s)["ok"] is True  # the temporary file is made
     s.sendall(data[: len(data) // 2])
     return s
