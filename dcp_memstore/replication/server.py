@@ -24,7 +24,14 @@ after the same checks (the request authenticated, names, size and space accepted
 registered; the exposed mapping is deregistered before a received file is hashed and renamed. Without one,
 both are refused with code ``rdma_unavailable`` (the peer then uses ``put``/``get``).
 
-A thread per connection (daemon, at most ``max_connections`` at once; more are refused as busy). Any error
+A thread per connection (daemon, at most ``max_connections`` at once). A new connection must deliver its
+first request, authenticated, within ``auth_timeout_s`` of connecting (the whole frame, however slowly it
+trickles in), else it is closed; from then on a peer may stay silent for ``io_timeout_s``. Connections
+that have not authenticated yet never keep out one that may: when every slot is taken, the oldest of them
+is closed to make room for the newcomer, and one source address holds at most
+``MAX_UNAUTHENTICATED_PER_SOURCE`` of them (its oldest is closed for its newest), so idle or trickling
+sockets from whoever can reach the port cannot stop replication, and one host flooding it only pushes out
+its own. A newcomer is refused as busy only when every slot holds an authenticated connection. Any error
 reply closes the connection; a refused request has touched nothing.
 """
 
@@ -70,6 +77,9 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_FILE_BYTES = 1 << 40
 DEFAULT_MAX_CONNECTIONS = 64
 DEFAULT_IO_TIMEOUT_S = 60.0
+DEFAULT_AUTH_TIMEOUT_S = 5.0
+MAX_UNAUTHENTICATED_PER_SOURCE = 16
+_EVICTION_WAIT_S = 1.0  # for a closed unauthenticated connection's thread to free its slot
 MAX_MANIFEST_BYTES = 1 << 30
 COMMIT_PHASES = ("prepare", "commit", "abort")
 # on_commit(checkpoint, phase, {"seq", "committed_at", "nbytes"}, manifest bytes) -> this node's next seq
@@ -112,7 +122,9 @@ class PeerServer:
     ``root`` is the store root (or its ``StoreLayout``); ``secret`` the job's replication secret
     (``auth.shared_secret``). ``rdma``: an ``rdma.RdmaEndpoint`` to serve ``rdma_put``/``rdma_get`` with
     (the server owns it from then on and closes it in ``close()``), or None (those ops are refused with
-    code ``rdma_unavailable``). The server runs from construction until ``close()``."""
+    code ``rdma_unavailable``). ``auth_timeout_s``: how long a new connection has to deliver its first
+    authenticated request (``io_timeout_s`` if that is shorter). The server runs from construction until
+    ``close()``."""
 
     def __init__(
         self,
@@ -125,6 +137,7 @@ class PeerServer:
         max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         io_timeout_s: float = DEFAULT_IO_TIMEOUT_S,
+        auth_timeout_s: float = DEFAULT_AUTH_TIMEOUT_S,
         window_s: float = DEFAULT_WINDOW_S,
         on_commit: CommitHandler | None = None,
         rdma: RdmaEndpoint | None = None,
@@ -140,11 +153,14 @@ class PeerServer:
         self.verifier = RequestVerifier(secret, job_id, window_s)
         self.max_file_bytes = max_file_bytes
         self.io_timeout_s = io_timeout_s
+        self.auth_timeout_s = min(auth_timeout_s, io_timeout_s)
         self.on_commit = on_commit
         self.rdma = rdma
-        self._slots = threading.BoundedSemaphore(max_connections)
+        self.max_connections = max_connections
         self._lock = threading.Lock()
+        self._freed = threading.Condition(self._lock)  # notified when a connection ends
         self._conns: dict[socket.socket, threading.Thread] = {}
+        self._unauthenticated: dict[socket.socket, str] = {}  # of _conns: source host, oldest first
         self._closing = False
         removed = remove_stale_parts(self.layout, self.layout.replicas_dir)
         if removed:
@@ -201,36 +217,71 @@ class PeerServer:
                 time.sleep(0.1)
                 continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(self.io_timeout_s)
-            if not self._slots.acquire(blocking=False):
-                log.warning("peer server of job %s: refusing %s, too many connections", self.job_id, peer)
-                _refuse(conn, "busy", "the server has too many connections; retry later", drain=False)
-                continue
+            conn.settimeout(self.auth_timeout_s)
             thread = threading.Thread(
                 target=self._serve, args=(conn, peer), name="dcp_memstore-peer-conn", daemon=True
             )
             with self._lock:
                 if self._closing:
-                    self._slots.release()
                     conn.close()
                     return
-                self._conns[conn] = thread
+                admitted = self._make_room(peer[0])
+                if admitted:
+                    self._conns[conn] = thread
+                    self._unauthenticated[conn] = peer[0]
+            if not admitted:
+                log.warning("peer server of job %s: refusing %s, too many connections", self.job_id, peer)
+                _refuse(conn, "busy", "the server has too many connections; retry later", drain=False)
+                conn.close()
+                continue
             try:
                 thread.start()
             except RuntimeError as e:  # the process is out of threads: refuse this one, keep serving
-                with self._lock:
-                    self._conns.pop(conn, None)
-                self._slots.release()
+                self._forget(conn)
                 _refuse(conn, "busy", f"the server cannot start a thread ({e}); retry later", drain=False)
+                conn.close()
+
+    def _make_room(self, source: str) -> bool:
+        """Whether a new connection from ``source`` may have a slot, closing connections that have not
+        authenticated to make room (see the module docstring). Called with the lock held."""
+        own = [conn for conn, host in self._unauthenticated.items() if host == source]
+        full = len(self._conns) >= self.max_connections
+        if len(own) >= MAX_UNAUTHENTICATED_PER_SOURCE:
+            victim = own[0]
+        elif full and self._unauthenticated:
+            victim = next(iter(self._unauthenticated))
+        else:
+            return not full
+        log.info(
+            "peer server of job %s: closing a connection from %s that has not authenticated, to admit one "
+            "from %s", self.job_id, self._unauthenticated[victim], source,
+        )  # fmt: skip
+        del self._unauthenticated[victim]
+        with contextlib.suppress(OSError):
+            victim.shutdown(socket.SHUT_RDWR)  # its thread wakes, closes it and frees its slot
+        return self._freed.wait_for(lambda: len(self._conns) < self.max_connections, _EVICTION_WAIT_S)
+
+    def _forget(self, conn: socket.socket) -> None:
+        """Free ``conn``'s slot (before it is closed, so no other thread shuts a reused descriptor down)."""
+        with self._lock:
+            self._conns.pop(conn, None)
+            self._unauthenticated.pop(conn, None)
+            self._freed.notify_all()
+
+    def _authenticated(self, conn: socket.socket) -> bool:
+        """Mark ``conn`` as authenticated; False if it was closed to make room meanwhile."""
+        with self._lock:
+            return self._unauthenticated.pop(conn, None) is not None
 
     def _serve(self, conn: socket.socket, peer: tuple) -> None:
         nonce: bytes | None = None
+        deadline: float | None = time.monotonic() + self.auth_timeout_s  # None once authenticated
         try:
             to = destination(conn.getsockname())  # this server's name in requests that came this way
             while not self._closing:
                 nonce = None
                 try:
-                    header = wire.recv_header(conn, eof_ok=True)
+                    header = wire.recv_header(conn, eof_ok=True, deadline=deadline)
                     if header is None:
                         return
                     op = wire.validate_request(header)
@@ -240,6 +291,19 @@ class PeerServer:
                     log.warning("peer server of job %s: refused a request from %s: %s", self.job_id, peer, e)
                     _refuse(conn, code, str(e))
                     return
+                except TimeoutError:
+                    if deadline is None:
+                        raise
+                    log.warning(
+                        "peer server of job %s: closing the connection from %s: no authenticated request "
+                        "within %s s of connecting", self.job_id, peer, self.auth_timeout_s,
+                    )  # fmt: skip
+                    return
+                if deadline is not None:
+                    if not self._authenticated(conn):
+                        return
+                    deadline = None
+                    conn.settimeout(self.io_timeout_s)
                 nonce = header["nonce"]
                 handler = {
                     "ping": self._op_ping,
@@ -268,10 +332,8 @@ class PeerServer:
             log.exception("peer server of job %s: error serving %s", self.job_id, peer)
             _refuse(conn, "internal", f"internal error: {type(e).__name__}: {e}", self.verifier.secret, nonce)
         finally:
+            self._forget(conn)
             conn.close()
-            with self._lock:
-                self._conns.pop(conn, None)
-            self._slots.release()
 
     def _reply(self, conn: socket.socket, nonce: bytes, fields: dict, index: int = 0) -> None:
         """Send the ``index``-th (signed) success reply to the request with ``nonce``."""
@@ -512,10 +574,10 @@ def _refuse(
     nonce: bytes | None = None,
     drain: bool = True,
 ) -> None:
-    """Send an error reply (signed if the request was authenticated), then close the connection without
-    losing the reply: stop sending, read what the peer had already sent (bounded, so closing with unread
-    data does not reset the connection before the peer reads the reply), close. ``drain=False`` (the
-    accept thread, which must not wait) closes at once."""
+    """Send an error reply (signed if the request was authenticated) and make sure closing the connection
+    then (the caller's part) does not lose it: stop sending, read what the peer had already sent (bounded,
+    so closing with unread data does not reset the connection before the peer reads the reply).
+    ``drain=False`` (the accept thread, which must not wait) only sends."""
     reply = {"ok": False, "code": code, "error": message}
     if secret is not None and nonce is not None:
         reply = sign_reply(reply, secret, nonce)
@@ -534,5 +596,3 @@ def _refuse(
             drained += len(chunk)
     except OSError:
         pass
-    finally:
-        conn.close()

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -251,11 +252,23 @@ def send_header(sock: socket.socket, header: Mapping) -> None:
     sock.sendall(pack_frame(header))
 
 
-def _recv_exact(sock: socket.socket, n: int, what: str) -> bytearray:
+def _await(sock: socket.socket, deadline: float | None, what: str) -> None:
+    """Before a receive: give it the time left until ``deadline`` (a ``time.monotonic()`` value; None: no
+    deadline, the socket's own timeout applies), or raise TimeoutError if none is left."""
+    if deadline is None:
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError(f"{what} did not arrive in time")
+    sock.settimeout(left)
+
+
+def _recv_exact(sock: socket.socket, n: int, what: str, deadline: float | None = None) -> bytearray:
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        _await(sock, deadline, what)
         k = sock.recv_into(view[got:])
         if k == 0:
             raise ConnectionError(f"the peer closed the connection after {got} of {n} bytes of {what}")
@@ -263,19 +276,22 @@ def _recv_exact(sock: socket.socket, n: int, what: str) -> bytearray:
     return buf
 
 
-def recv_header(sock: socket.socket, eof_ok: bool = False) -> dict | None:
+def recv_header(sock: socket.socket, eof_ok: bool = False, deadline: float | None = None) -> dict | None:
     """Receive one frame and return its header (a dict with str keys).
 
     Returns None if the peer closed the connection cleanly before the frame's first byte and ``eof_ok``;
     raises ConnectionError if it closes mid-frame and ProtocolError for anything malformed. An oversized
-    header is refused from its length field, before its body is read."""
+    header is refused from its length field, before its body is read. With a ``deadline`` (a
+    ``time.monotonic()`` value) the whole frame must arrive by then, however slowly it trickles in, else
+    TimeoutError; the socket's timeout is left at what remained."""
+    _await(sock, deadline, "a frame prefix")
     first = sock.recv(_FRAME.size)
     if not first:
         if eof_ok:
             return None
         raise ConnectionError("the peer closed the connection instead of answering")
     if len(first) < _FRAME.size:
-        first += _recv_exact(sock, _FRAME.size - len(first), "a frame prefix")
+        first += _recv_exact(sock, _FRAME.size - len(first), "a frame prefix", deadline)
     prefix, length = _FRAME.unpack(first)
     if prefix[:4] != MAGIC:
         raise ProtocolError(
@@ -290,7 +306,7 @@ def recv_header(sock: socket.socket, eof_ok: bool = False) -> dict | None:
         raise ProtocolError("reserved bytes of the frame prefix are not zero")
     if length == 0 or length > MAX_HEADER_BYTES:
         raise ProtocolError(f"header length {length} is outside 1..{MAX_HEADER_BYTES} bytes")
-    body = _recv_exact(sock, length, "a header")
+    body = _recv_exact(sock, length, "a header", deadline)
     try:
         header = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
     except Exception as e:  # msgpack raises several unrelated types for bad input

@@ -27,6 +27,7 @@ from dcp_memstore import MemStore
 from dcp_memstore.errors import InsufficientSpaceError
 from dcp_memstore.persist.progress import Progress
 from dcp_memstore.replication import PeerServer, ReplicationError, TcpTransport, tcp, wire
+from dcp_memstore.replication import server as server_module
 from dcp_memstore.replication.auth import destination, new_secret, sign_request
 from dcp_memstore.replication.placement import NodeInfo
 from dcp_memstore.replication.service import ReplicationService
@@ -580,10 +581,11 @@ def test_go_ahead_replayed_as_the_stored_reply_is_not_trusted(
     assert not (StoreLayout(peer_root, JOB).replica_dir("node0", "step-1") / shard_name(0, 0)).exists()
 
 
-def test_connection_limit(peer_root, secret):
+def test_a_newcomer_is_refused_as_busy_only_when_every_slot_is_authenticated(peer_root, secret):
     with PeerServer(peer_root, JOB, secret, "127.0.0.1", max_connections=1) as server:
         held = raw_connect(server)
-        time.sleep(0.1)  # let the server take it
+        wire.send_header(held, signed(server.address, secret, "ping"))
+        assert wire.recv_header(held)["ok"] is True  # authenticated, and kept open for more requests
         s = raw_connect(server)
         reply = wire.recv_header(s)
         assert reply["code"] == "busy"
@@ -599,6 +601,90 @@ def test_connection_limit(peer_root, secret):
                 time.sleep(0.05)
         else:
             pytest.fail("the server did not free the connection slot")
+
+
+NO_LIMIT_S = 1e8  # a replication timeout that says "no limit"
+
+
+def idle_connections(server: PeerServer, sources: list[str], n: int) -> list[socket.socket]:
+    """``n`` connections to ``server`` that never send a byte, from the ``sources`` addresses in turn."""
+    return [
+        socket.create_connection(server.address, timeout=10, source_address=(sources[i % len(sources)], 0))
+        for i in range(n)
+    ]
+
+
+def closed_by_server(s: socket.socket, within_s: float) -> bool:
+    """Whether the server closes ``s`` (which sent nothing) within ``within_s`` seconds."""
+    s.settimeout(within_s)
+    try:
+        return s.recv(1) == b""
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+@pytest.mark.parametrize(
+    "sources", [["127.0.0.1"], [f"127.0.0.{i}" for i in range(2, 10)]], ids=["one-host", "eight-hosts"]
+)
+def test_idle_connections_filling_every_slot_do_not_keep_a_peer_out(peer_root, secret, local, sources):
+    """Whoever can reach the port opens as many connections as the server has slots and sends nothing
+    (from the peer's own host, or from several others): the job's put and stat still go through at once,
+    long before those connections' time to authenticate is up."""
+    with (
+        PeerServer(peer_root, JOB, secret, "127.0.0.1", io_timeout_s=NO_LIMIT_S) as server,
+        TcpTransport(JOB, secret, timeout_s=10) as transport,
+    ):
+        idle = idle_connections(server, sources, 64)
+        start = time.monotonic()
+        src = make_file(local, "step-1", shard_name(0, 0), b"p" * 1000)
+        transport.put_file(server.address, "node0", "step-1", shard_name(0, 0), src)
+        assert transport.stat(server.address, "step-1")["replicas"] == {"node0": {shard_name(0, 0): 1000}}
+        assert time.monotonic() - start < server.auth_timeout_s
+        for s in idle:
+            s.close()
+
+
+def test_one_host_keeps_at_most_its_share_of_unauthenticated_connections(peer_root, secret):
+    """A host's connections beyond MAX_UNAUTHENTICATED_PER_SOURCE that have not authenticated push out
+    its own oldest, not other hosts' connections."""
+    with PeerServer(peer_root, JOB, secret, "127.0.0.1", io_timeout_s=NO_LIMIT_S) as server:
+        other = idle_connections(server, ["127.0.0.3"], 1)[0]
+        share = server_module.MAX_UNAUTHENTICATED_PER_SOURCE
+        flood = idle_connections(server, ["127.0.0.2"], share + 4)
+        assert all(closed_by_server(s, 5) for s in flood[:4])
+        assert not any(closed_by_server(s, 0.01) for s in flood[4:] + [other])
+        for s in flood + [other]:
+            s.close()
+
+
+def test_a_connection_must_authenticate_within_auth_timeout_s(peer_root, secret):
+    """A connection that sends nothing, or trickles its request in slower than the deadline allows, is
+    closed after auth_timeout_s even where io_timeout_s says no limit; an authenticated one may then stay
+    silent longer between requests."""
+    with PeerServer(
+        peer_root, JOB, secret, "127.0.0.1", io_timeout_s=NO_LIMIT_S, auth_timeout_s=0.5
+    ) as server:
+        silent = raw_connect(server)
+        trickle = raw_connect(server)
+        authenticated = raw_connect(server)
+        wire.send_header(authenticated, signed(server.address, secret, "ping"))
+        assert wire.recv_header(authenticated)["ok"] is True
+        start = time.monotonic()
+        frame = wire.pack_frame(signed(server.address, secret, "ping"))
+        with contextlib.suppress(OSError):  # the server closes it before the frame is complete
+            for i in range(len(frame)):
+                trickle.sendall(frame[i : i + 1])
+                time.sleep(0.05)
+        assert closed_by_server(trickle, 5)
+        assert closed_by_server(silent, 5)
+        assert time.monotonic() - start < 5
+        time.sleep(0.5)
+        wire.send_header(authenticated, signed(server.address, secret, "ping"))
+        assert wire.recv_header(authenticated)["ok"] is True
+        for s in (silent, trickle, authenticated):
+            s.close()
 
 
 def test_close_ends_transfers_in_flight_and_leaves_nothing(peer_root, secret):

@@ -7,6 +7,7 @@ import os
 import socket
 import struct
 import threading
+import time
 
 import msgpack
 import pytest
@@ -85,6 +86,31 @@ def test_malformed_frames_refused(pair, raw, match):
     a.sendall(raw)
     with pytest.raises(wire.ProtocolError, match=match):
         wire.recv_header(b)
+
+
+def test_a_header_trickling_in_past_its_deadline_is_a_timeout(pair):
+    """The deadline bounds the whole frame, not each receive: a sender dribbling a byte every 50 ms (well
+    within the socket's own 5 s timeout) still runs out of time."""
+    a, b = pair
+    frame = wire.pack_frame(_request())
+    stop = threading.Event()
+
+    def dribble() -> None:
+        for i in range(len(frame)):
+            if stop.wait(0.05):
+                return
+            a.sendall(frame[i : i + 1])
+
+    t = threading.Thread(target=dribble)
+    t.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError):
+            wire.recv_header(b, deadline=start + 0.3)
+        assert time.monotonic() - start < 1.0
+    finally:
+        stop.set()
+        t.join(5)
 
 
 def test_oversized_header_refused_from_its_length_alone(pair):
