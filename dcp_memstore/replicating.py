@@ -86,11 +86,10 @@ class ReplicatingStore:
                 Progress(self.layout, cid, self.target.url).request("owed by another node")
             if not is_owed(self.layout, cid):
                 continue
-            restoring = {
-                rank
+            restoring = {  # the nodes that restored it above (every node does the same)
+                node: peers.node_ranks(node)
                 for node, inv in inventories.items()
-                if cid not in (c for c, *_ in inv["committed"])
-                for rank in peers.node_ranks(node)
+                if cid in in_memory and cid not in (c for c, *_ in inv["committed"])
             }
             self._take_over(cid, inventories, peers.node.node_rank, restoring)
             if cid not in in_memory:
@@ -101,10 +100,13 @@ class ReplicatingStore:
         if owed and self._persister is not None:
             self._persister.wake()
 
-    def _take_over(self, cid: str, inventories: dict[int, dict], node: int, restoring: set[int]) -> None:
+    def _take_over(
+        self, cid: str, inventories: dict[int, dict], node: int, restoring: dict[int, range]
+    ) -> None:
         """Move into this node's copy of owed checkpoint ``cid`` the files of ranks no node of the job
         holds any more that ``recovery.orphans`` gives node ``node`` (this one) from its replicas, so that
-        they are uploaded; logged."""
+        they are uploaded (``restoring``: the nodes that restored ``cid`` in this repair, with their
+        ranks); logged."""
         moved = take_over(self.layout, cid, orphans(cid, inventories, restoring).get(node, {}))
         if moved:
             log.info(
@@ -121,7 +123,7 @@ class ReplicatingStore:
             if local_rank_and_size()[0] == 0:
                 inventories = {0: inventory(self.layout)}
                 for cid in self._owed():
-                    self._take_over(cid, inventories, 0, set())
+                    self._take_over(cid, inventories, 0, {})
         except Exception:  # noqa: BLE001 - the other ranks wait in the barrier; the upload waits (queued)
             log.exception("taking over the files of ranks that left the job failed")
         finally:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 
 from dcp_memstore.persist.progress import is_owed
 from dcp_memstore.replication.cluster_read import ClusterCheckpoint
@@ -79,16 +79,21 @@ def unheld(inventories: list[dict]) -> dict[str, tuple[tuple[float, int, int], l
     return out
 
 
-def orphans(cid: str, inventories: dict[int, dict], restoring: set[int]) -> dict[int, dict[str, str]]:
+def orphans(
+    cid: str, inventories: dict[int, dict], restoring: Mapping[int, Collection[int]]
+) -> dict[int, dict[str, str]]:
     """The files of checkpoint ``cid`` that no node would upload: those its manifest lists of ranks with no
-    file in any node's own copy (``inventories``, by node) and not in ``restoring`` (the ranks of the nodes
-    about to restore their copy), because the node that wrote them left the job (a restart on fewer
-    nodes). Each such rank goes to one node that has ``cid`` committed and keeps replicas of its files:
-    the one keeping the most of them at the listed size, the lowest node first. Returns {node: {file:
+    file in any node's own copy (``inventories``, by node) and not of a node in ``restoring`` ({node: its
+    ranks}, the nodes about to restore their copy), because the node that wrote them left the job (a
+    restart on fewer nodes). Each such rank goes to one node that has ``cid`` committed, or restores it,
+    and keeps replicas of its files: the one keeping the most of them at the listed size, the lowest node
+    first. A restoring node counts: its replicas outlive its own copy (received after a delete or an
+    eviction there), and its restore commits ``cid`` before it takes files over. Returns {node: {file:
     source node of the replica}}; every node computes the same from the same gathered views."""
     committed_on = {n: {c: files for c, *_, files in inv["committed"]} for n, inv in inventories.items()}
     listed = next((by_id[cid] for by_id in committed_on.values() if cid in by_id), {})
-    owned = {file_rank(f) for inv in inventories.values() for f in inv["own"].get(cid, {})} | restoring
+    owned = {file_rank(f) for inv in inventories.values() for f in inv["own"].get(cid, {})}
+    owned.update(rank for ranks in restoring.values() for rank in ranks)
     by_rank: dict[int | None, set[str]] = {}
     for f in listed:
         if file_rank(f) not in owned:
@@ -97,7 +102,7 @@ def orphans(cid: str, inventories: dict[int, dict], restoring: set[int]) -> dict
     for files in by_rank.values():
         kept_by = {}
         for node, inv in sorted(inventories.items()):
-            if cid in committed_on[node]:
+            if cid in committed_on[node] or node in restoring:
                 kept_by[node] = {
                     f: source
                     for source, by_id in sorted(inv["replicas"].items())

@@ -3,8 +3,10 @@
     save: checkpoint steps 1..N (``dcp.save``), each a DTensor sharded over all ranks (``Shard(0)``), a
           replicated tensor and an int; optionally wait until replicated or persisted, wait for the test's
           go-ahead.
-          With ``--owe N``, rank 0 alone asks for step N's upload after the saves and reports once its
-          node's share is uploaded (the other nodes never upload theirs).
+          With ``--owe N``, rank 0 (``--owe-rank``) alone asks for step N's upload after the saves and
+          reports once its node's share is uploaded (the other nodes never upload theirs).
+          With ``--drop N``, rank 0 deletes step N from its node's memory once its files are replicated,
+          before ``--owe``.
           With ``--elsewhere N`` (two nodes, one rank each), node 1 uploads its share of step N, deletes
           it from its memory and reports what it says of step N while node 0 is not asked to upload its
           share, once node 0's upload failed, and after the test's go-ahead, when node 0 is asked again.
@@ -76,7 +78,11 @@ def save(args, store: MemStore, mesh) -> None:
             emit(
                 event="persisted", step=step, url=st.persisted_url, files=[st.files_uploaded, st.files_total]
             )
-    if args.owe and dist.get_rank() == 0:
+    if args.drop and dist.get_rank() == 0:
+        store.wait_replicated(f"step-{args.drop}", timeout=60)
+        store.delete(f"step-{args.drop}")
+        emit(event="dropped", checkpoint=f"step-{args.drop}")
+    if args.owe and dist.get_rank() == args.owe_rank:
         owe(store, f"step-{args.owe}")
     if args.elsewhere:
         elsewhere(store, f"step-{args.elsewhere}", Path(args.tmp))
@@ -205,7 +211,9 @@ def main() -> None:
     p.add_argument("--watch", action="store_true")
     p.add_argument("--persist-to", default=None, help="persist checkpoints there (a shared directory)")
     p.add_argument("--persist-every", type=int, default=1, help="0: only what is asked for (--owe)")
-    p.add_argument("--owe", type=int, default=0, help="after saving, persist this step from node 0 only")
+    p.add_argument("--owe", type=int, default=0, help="after saving, persist this step from one node only")
+    p.add_argument("--owe-rank", type=int, default=0, help="the rank whose node --owe asks")
+    p.add_argument("--drop", type=int, default=0, help="after saving, delete this step on rank 0's node")
     p.add_argument("--wait-persisted", type=int, default=0, help="after loading, wait for it")
     p.add_argument("--elsewhere", type=int, default=0, help="after saving, this step's status off node 1")
     p.add_argument("--serve-until", default=None, help="after saving, serve until this file appears in --tmp")

@@ -8,7 +8,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.multinode.mn_worker import global_weight
-from tests.multinode.test_mn_replication import TIMEOUT_S, events, finish, launch, of, run_job, wait_line
+from tests.multinode.test_mn_replication import (
+    JOB,
+    TIMEOUT_S,
+    events,
+    finish,
+    launch,
+    of,
+    run_job,
+    wait_line,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -111,6 +120,50 @@ def test_owed_files_of_a_node_that_left_the_job_are_uploaded_from_its_replicas(r
     out = {"w": torch.zeros(2 * 256, 1024), "bias": torch.zeros(1000, dtype=torch.float64), "step": -1}
     dcp.load(out, storage_reader=dcp.FileSystemReader(str(shared / "step-1")), no_dist=True)
     assert torch.equal(out["w"], global_weight(1, 2)) and out["step"] == 1
+
+
+def test_owed_files_kept_only_by_a_node_that_restores_the_checkpoint_are_uploaded(cluster3, tmp_path):
+    """Three nodes save step 1 (replicas: node 0 -> 1 -> 2 -> 0). Node 0 deletes step 1 once its files
+    are replicated; node 2's replicas reach node 0 after that (node 2's uplink is slowed), so node 0
+    keeps them without the checkpoint. Node 1 alone asks for the upload and uploads its share. The job
+    restarts on nodes 0 and 1: node 2's files are kept only by node 0, which restores step 1 (its own
+    files from node 1's replicas); it takes node 2's over too, and step 1 is published (it stayed queued
+    forever when only nodes that had it committed took files over)."""
+    shared = tmp_path / "persisted"
+    n2 = cluster3.node(2)
+    n2.run(["tc", "qdisc", "replace", "dev", n2.ifname, "root", "tbf", "rate", "20mbit", "burst", "32kbit",
+            "latency", "400ms"], timeout=10, check=True)  # fmt: skip
+    args = ["save", "--steps", 1, "--mib", 24, "--persist-to", shared, "--persist-every", 0, "--owe", 1,
+            "--owe-rank", 1, "--drop", 1, "--wait-replicated", "--tmp", tmp_path,
+            "--serve-until", "never"]  # fmt: skip
+    procs = launch(cluster3, [0, 1, 2], args, tmp_path)
+    wait_line(tmp_path / "node1.log", '"share-uploaded"', TIMEOUT_S)
+    for i in (0, 2):  # node 2 serves once node 0 acknowledged its replicas
+        wait_line(tmp_path / f"node{i}.log", '"serving"', TIMEOUT_S)
+    for i in range(3):
+        cluster3.node(i).kill()
+    for p in procs:
+        p.wait(30)
+    n2.run(["tc", "qdisc", "del", "dev", n2.ifname, "root"], timeout=10)
+    job0 = cluster3.node(0).root / JOB
+    assert not (job0 / "checkpoints" / "step-1").exists()
+    kept = sorted(f.name for f in (job0 / "replicas" / "node2" / "step-1").glob("__*"))
+    assert kept and all(n.startswith("__2_") for n in kept), kept  # arrived after the delete
+    parts = [p.name for p in (shared / "step-1" / ".dcp_memstore" / "parts").iterdir()]
+    assert parts and all(n.startswith("__1_") for n in parts), parts  # node 1's files only
+
+    args = ["load", "--mib", 24, "--persist-to", shared, "--persist-every", 0, "--wait-persisted", 1]
+    loaded = run_job(cluster3, [0, 1], args, tmp_path)
+    for evs in loaded:
+        assert of(evs, "latest")[0]["checkpoint"] == "step-1"
+        assert of(evs, "loaded")[0]["ok"] is True
+        (persist,) = of(evs, "persist")
+        assert persist == {**persist, "outcome": "persisted", "in_memory": True}, persist
+    taken = sorted(f.name for f in (job0 / "checkpoints" / "step-1").glob("__2_*"))
+    assert taken == kept and not list((job0 / "replicas" / "node2" / "step-1").glob("__*"))  # moved
+    out = {"w": torch.zeros(24 * 256, 1024), "bias": torch.zeros(1000, dtype=torch.float64), "step": -1}
+    dcp.load(out, storage_reader=dcp.FileSystemReader(str(shared / "step-1")), no_dist=True)
+    assert torch.equal(out["w"], global_weight(1, 24)) and out["step"] == 1
 
 
 def test_status_on_a_node_without_the_checkpoint_says_what_the_nodes_holding_it_do(cluster2, tmp_path):

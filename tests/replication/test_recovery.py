@@ -48,7 +48,7 @@ def test_readable_needs_a_manifest_and_every_file_somewhere():
     assert readable([node1_lost, node2]) == {}  # no manifest anywhere
 
 
-def test_files_of_a_node_that_left_go_to_the_committed_node_keeping_most_of_their_replicas():
+def test_files_of_a_node_that_left_go_to_the_node_keeping_most_of_their_replicas():
     listed = {"__0_0.shard": 10, "__1_0.shard": 20, "__1_1.shard": 5, "__2_0.shard": 30}
     rec = ["s1", 2.0, 1, 65, listed]
 
@@ -58,15 +58,20 @@ def test_files_of_a_node_that_left_go_to_the_committed_node_keeping_most_of_thei
     # rank 1's node left; rank 2's own copy is on node 2; node 1 keeps both of rank 1's files, node 0 one
     node0 = node({"__0_0.shard": 10}, {"node1": {"s1": {"__1_0.shard": 20}}})
     node1 = node({"__2_0.shard": 30}, {"node9": {"s1": {"__1_0.shard": 20, "__1_1.shard": 5}}})
-    assert orphans("s1", {0: node0, 1: node1}, set()) == {1: {"__1_0.shard": "node9", "__1_1.shard": "node9"}}
+    assert orphans("s1", {0: node0, 1: node1}, {}) == {1: {"__1_0.shard": "node9", "__1_1.shard": "node9"}}
     # equal counts: the lowest node; a truncated replica does not count
     node1 = node({"__2_0.shard": 30}, {"node9": {"s1": {"__1_0.shard": 20, "__1_1.shard": 4}}})
-    assert orphans("s1", {0: node0, 1: node1}, set()) == {0: {"__1_0.shard": "node1"}}
+    assert orphans("s1", {0: node0, 1: node1}, {}) == {0: {"__1_0.shard": "node1"}}
     # a node about to restore its copy (ranks 1 and 2 in the new job) holds rank 1: nothing to take over
-    assert orphans("s1", {0: node0, 1: node1}, {1, 2}) == {}
-    # only nodes with the checkpoint committed take files over
-    uncommitted = node({}, {"node1": {"s1": {"__1_0.shard": 20, "__1_1.shard": 5}}}, committed=False)
-    assert orphans("s1", {0: node({"__0_0.shard": 10, "__2_0.shard": 30}, {}), 1: uncommitted}, set()) == {}
+    assert orphans("s1", {0: node0, 1: node1}, {1: range(1, 3)}) == {}
+    # node 2 left; node 0 lacks the checkpoint (deleted or evicted there) but keeps node 2's replicas
+    # (received after that), node 1 keeps node 0's
+    node0 = node({}, {"node2": {"s1": {"__2_0.shard": 30}}}, committed=False)
+    node1 = node({"__1_0.shard": 20, "__1_1.shard": 5}, {"node0": {"s1": {"__0_0.shard": 10}}})
+    # not restoring it: node 0 takes nothing over (node 1 takes rank 0's files, left by no one then)
+    assert orphans("s1", {0: node0, 1: node1}, {}) == {1: {"__0_0.shard": "node0"}}
+    # restoring it (rank 0): node 0 takes over rank 2's files once its restore commits the checkpoint
+    assert orphans("s1", {0: node0, 1: node1}, {0: range(1)}) == {0: {"__2_0.shard": "node2"}}
 
 
 def test_take_over_moves_replicas_into_the_checkpoint_where_the_persister_uploads_them(store):
