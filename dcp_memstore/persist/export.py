@@ -4,7 +4,9 @@ Each local file ``__<rank>_<k>.shard`` (or ``__<rank>_objects.bin``) becomes one
 ``__<rank>_<k>.distcp``: its items in order, tensors framed by ``torch.save`` and serialized values as raw
 bytes, exactly what stock ``FileSystemReader``/``FsspecReader`` read. Bytes stream from the tmpfs mapping
 into the file system's writer in pieces of 4 MiB (for s3fs: multipart parts of ``BLOCK_SIZE``, uploaded
-one after another), so memory used per upload stays under two parts, whatever the file's size.
+one after another), so memory used per upload stays under two parts, whatever the file's size. The
+remote file is replaced whole or not at all (``PersistTarget.open_whole``): uploads of one file by two
+nodes are idempotent.
 """
 
 from __future__ import annotations
@@ -52,14 +54,12 @@ def upload_file(
     items: list[tuple[int, ManifestItem]],
 ) -> list[PersistedItem]:
     """Upload local ``file`` (whose items, with their manifest positions, are ``items``) and return where
-    each item landed. Raises whatever the file system raises; a partial upload is never referenced."""
+    each item landed. Raises whatever the file system raises; the remote file is then as it was."""
     mf = MAPPINGS.map_path(local_dir / file)
     path = target.path(checkpoint_id, remote_name(file))
-    if target.is_local:  # object stores have no directories (and making one could create a bucket)
-        target.fs.makedirs(target.path(checkpoint_id), exist_ok=True)
     placed: list[PersistedItem] = []
     pos = 0
-    with target.fs.open(path, "wb", block_size=BLOCK_SIZE) as out:
+    with target.open_whole(path, BLOCK_SIZE) as out:
         for index, item in sorted(items, key=lambda x: x[1].location.offset):
             loc = item.location
             if loc.offset + loc.length > mf.size:
@@ -75,5 +75,4 @@ def upload_file(
     size = target.fs.size(path)
     if size != pos:
         raise OSError(f"{path}: uploaded {size} bytes, expected {pos}")
-    target.make_durable(path)
     return placed

@@ -15,8 +15,9 @@ import os
 import re
 import threading
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import fsspec
 from fsspec.core import url_to_fs
@@ -126,15 +127,39 @@ class PersistTarget:
         else:
             self.fs.pipe_file(path, data)
 
-    def make_durable(self, path: str) -> None:
-        """Flush a written file to stable storage (local file systems; object stores are durable on PUT)."""
+    @contextlib.contextmanager
+    def open_whole(self, path: str, block_size: int) -> Iterator[BinaryIO]:
+        """A writer for a large file that appears at ``path`` whole, durably, when the block ends without
+        an error, and never in part: a failed or killed upload leaves the file that was there before
+        as it was. So two nodes uploading the same file (one that took it over, and its writer's node
+        back with it) never leave a torn one, even once it is published. Local file systems: written
+        under a hidden temporary name beside it (left behind only by a killed process), fsynced, renamed
+        over it; object stores: one PUT or multipart upload, aborted on an error instead of completed
+        with what was written so far."""
         if self.is_local:
-            fd = os.open(path, os.O_RDONLY)
+            directory = Path(path).parent
+            directory.mkdir(parents=True, exist_ok=True)
+            tmp = directory / f".{Path(path).name}.part-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             try:
-                os.fsync(fd)
+                with open(tmp, "wb") as out:
+                    yield out
+                    out.flush()
+                    os.fsync(out.fileno())
+                os.replace(tmp, path)
             finally:
-                os.close(fd)
-            sync_directory(Path(path).parent)
+                tmp.unlink(missing_ok=True)
+            sync_directory(directory)
+            return
+        out = self.fs.open(path, "wb", block_size=block_size)
+        try:
+            yield out
+        except BaseException:
+            discard = getattr(out, "discard", None)  # s3fs, gcsfs: abort the multipart upload
+            if discard is not None:
+                discard()
+                out.closed = True  # closing would complete the upload with what was written
+            raise
+        out.close()
 
     def forget_listings(self) -> None:
         """Drop the file system's cached directory listings, so the next listing asks the server."""
