@@ -5,8 +5,6 @@
           go-ahead.
           With ``--owe N``, rank 0 (``--owe-rank``) alone asks for step N's upload after the saves and
           reports once its node's share is uploaded (the other nodes never upload theirs).
-          With ``--drop N``, rank 0 deletes step N from its node's memory once its files are replicated,
-          before ``--owe``.
           With ``--elsewhere N`` (two nodes, one rank each), node 1 uploads its share of step N, deletes
           it from its memory and reports what it says of step N while node 0 is not asked to upload its
           share, once node 0's upload failed, and after the test's go-ahead, when node 0 is asked again.
@@ -78,10 +76,6 @@ def save(args, store: MemStore, mesh) -> None:
             emit(
                 event="persisted", step=step, url=st.persisted_url, files=[st.files_uploaded, st.files_total]
             )
-    if args.drop and dist.get_rank() == 0:
-        store.wait_replicated(f"step-{args.drop}", timeout=60)
-        store.delete(f"step-{args.drop}")
-        emit(event="dropped", checkpoint=f"step-{args.drop}")
     if args.owe and dist.get_rank() == args.owe_rank:
         owe(store, f"step-{args.owe}")
     if args.elsewhere:
@@ -213,7 +207,6 @@ def main() -> None:
     p.add_argument("--persist-every", type=int, default=1, help="0: only what is asked for (--owe)")
     p.add_argument("--owe", type=int, default=0, help="after saving, persist this step from one node only")
     p.add_argument("--owe-rank", type=int, default=0, help="the rank whose node --owe asks")
-    p.add_argument("--drop", type=int, default=0, help="after saving, delete this step on rank 0's node")
     p.add_argument("--wait-persisted", type=int, default=0, help="after loading, wait for it")
     p.add_argument("--elsewhere", type=int, default=0, help="after saving, this step's status off node 1")
     p.add_argument("--serve-until", default=None, help="after saving, serve until this file appears in --tmp")
