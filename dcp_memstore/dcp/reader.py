@@ -171,6 +171,9 @@ class MemoryStorageReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         assert self._source is not None
         self._loaded = True  # one load per reset: the next one names its checkpoint again
+        # A process that only loads (an evaluation job) never saves, which is where mappings of files
+        # deleted since (by another process's delete or pool trim) are dropped; each keeps its memory.
+        MAPPINGS.prune()
         try:
             self._read_plan(plan, planner)
         finally:

@@ -450,3 +450,66 @@ def test_a_load_in_another_process_holds_its_checkpoint_until_it_ends_or_dies(sh
     assert kept == ["s2", "s4"]  # s2 was held while the other process read it
     store.delete("s2")  # the hold ended with the load, or with the process
     assert store.list_checkpoints() == ["s4"]
+
+
+# An evaluation job: loads each checkpoint id it reads on stdin into a float64 tensor (a converting read,
+# which copies from the shard file's mapping, as loads into GPU tensors and resharded loads do) and
+# answers with the first value loaded.
+_LOAD_ON_REQUEST = textwrap.dedent(
+    """
+    import sys
+    import torch, torch.distributed.checkpoint as dcp
+    from dcp_memstore import MemoryStorageReader, MemStore
+
+    store = MemStore(root=sys.argv[1], job_id="job", io_threads=1)
+    for line in sys.stdin:
+        dest = {"w": torch.zeros(64 << 10, dtype=torch.float64)}
+        dcp.load(dest, checkpoint_id=line.strip(), storage_reader=MemoryStorageReader(store), no_dist=True)
+        print(float(dest["w"][0]), flush=True)
+    """
+)
+
+
+def _deleted_files_mapped(pid: int, root: Path) -> set[str]:
+    """The files under ``root`` that process ``pid`` maps although they were deleted (their memory stays
+    taken while they are mapped)."""
+    with open(f"/proc/{pid}/maps") as f:
+        return {
+            line.split(maxsplit=5)[5].strip()
+            for line in f
+            if str(root) in line and line.rstrip().endswith("(deleted)")
+        }
+
+
+def test_a_process_that_loads_again_lets_go_of_the_files_deleted_since_it_mapped_them(shm_dir):
+    """A deleted tmpfs file keeps its memory while any process maps it. An evaluation job that keeps
+    loading a training job's checkpoints must not keep, for its whole life, the memory of the files the
+    trainer deleted since it read them (store.delete, pools trimmed after commits)."""
+    store = MemStore(root=shm_dir, job_id="job", keep_in_memory=3, io_threads=1)
+    for i in (1, 2, 3):
+        save(store, _filled(float(i)), f"s{i}")
+    child = subprocess.Popen(
+        [sys.executable, "-c", _LOAD_ON_REQUEST, str(shm_dir)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+    def load_there(cid: str) -> float:
+        child.stdin.write(cid + "\n")
+        child.stdin.flush()
+        answer = child.stdout.readline()
+        assert answer, f"the loading process failed loading {cid}"
+        return float(answer)
+
+    try:
+        assert (load_there("s1"), load_there("s2")) == (1.0, 2.0)
+        store.delete("s1")
+        store.delete("s2")  # the pool keeps one shard file for the next save: the other one is deleted
+        assert _deleted_files_mapped(child.pid, shm_dir)  # still in memory: the other process maps it
+        assert load_there("s3") == 3.0
+        assert _deleted_files_mapped(child.pid, shm_dir) == set()
+    finally:
+        child.stdin.close()
+        if child.wait(120) != 0:
+            pytest.fail(f"the loading process exited with {child.returncode}")
