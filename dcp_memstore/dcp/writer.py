@@ -376,21 +376,23 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         manifest = Manifest(self.checkpoint_id, len(results), items, encode_metadata(metadata))
         directory = layout.checkpoint_dir(self.checkpoint_id)
         encoded = manifest.encode()
-        try:
-            with space_errors(layout.root, len(encoded), "for the manifest"):
-                write_atomic(directory / MANIFEST, encoded)
-            crash_point("before-commit", self.rank)
-            record = CommitRecord(self.checkpoint_id, catalog.next_seq(layout), time.time(), manifest.nbytes)
-            # other nodes: prepared (invisible) first, committed only after this node commits
-            record = self.store.prepare_everywhere(record, encoded)
-        except BaseException:
-            catalog.discard(layout, directory)  # the save failed: its files serve the next one
-            self._release_slot()
-            raise
-        self.store.prepare_commit(self.checkpoint_id, record.seq)
-        catalog.commit(
-            layout, self.checkpoint_id, manifest.nbytes, seq=record.seq, committed_at=record.committed_at
-        )
+        with catalog.commit_lock(layout):  # no other save of the job takes the same sequence number
+            try:
+                with space_errors(layout.root, len(encoded), "for the manifest"):
+                    write_atomic(directory / MANIFEST, encoded)
+                crash_point("before-commit", self.rank)
+                seq = catalog.next_seq(layout)
+                record = CommitRecord(self.checkpoint_id, seq, time.time(), manifest.nbytes)
+                # other nodes: prepared (invisible) first, committed only after this node commits
+                record = self.store.prepare_everywhere(record, encoded)
+            except BaseException:
+                catalog.discard(layout, directory)  # the save failed: its files serve the next one
+                self._release_slot()
+                raise
+            self.store.prepare_commit(self.checkpoint_id, record.seq)
+            catalog.commit(
+                layout, self.checkpoint_id, manifest.nbytes, seq=record.seq, committed_at=record.committed_at
+            )
         crash_point("after-commit", self.rank)
         self._forget_begun()
         self.store.commit_everywhere(record)

@@ -301,16 +301,30 @@ def recycle(layout: StoreLayout, directory: Path) -> None:
 
 
 @contextlib.contextmanager
-def _retention_lock(layout: StoreLayout, exclusive: bool) -> Iterator[None]:
-    """The job's retention lock: shared while a hold is placed, exclusive while eviction picks and removes
-    its victims. Without it an eviction could find no hold, a hold be placed, and the eviction still
-    remove the checkpoint. An ``flock``: a killed process drops it."""
-    fd = os.open(layout.retention_lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+def _flock(path: Path, exclusive: bool) -> Iterator[None]:
+    """Hold an ``flock`` on the lock file ``path`` (made if missing): a killed process drops it. Each call
+    opens the file anew, so it also excludes other threads of this process."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         yield
     finally:
         os.close(fd)
+
+
+def _retention_lock(layout: StoreLayout, exclusive: bool) -> contextlib.AbstractContextManager[None]:
+    """The job's retention lock: shared while a hold is placed, exclusive while eviction picks and removes
+    its victims. Without it an eviction could find no hold, a hold be placed, and the eviction still
+    remove the checkpoint."""
+    return _flock(layout.retention_lock, exclusive)
+
+
+def commit_lock(layout: StoreLayout) -> contextlib.AbstractContextManager[None]:
+    """The job's commit lock, held from taking a checkpoint's sequence number (``next_seq``) until its
+    COMMITTED marker is written. Two saves committing at once (``dcp.save`` in two threads) would otherwise
+    take the same number, and retention, which evicts the lowest numbers, and the listing order could not
+    tell which of them is the newer."""
+    return _flock(layout.commit_lock, exclusive=True)
 
 
 def hold(layout: StoreLayout, checkpoint_id: str, reason: str, record: dict | None = None) -> None:

@@ -4,6 +4,7 @@
     <root>/<job_id>/checkpoints/<checkpoint_id>/holds/<reason>   retention holds (owed uploads, replicas,
                                                    running loads)
     <root>/<job_id>/retention.lock                 flock: placing a hold against evicting
+    <root>/<job_id>/commit.lock                    flock: one commit at a time takes a sequence number
     <root>/<job_id>/procs/<token>.lock             flock held by each live process that writes owner
                                                    records (see ``liveness``)
     <root>/<job_id>/staging/<slot>/                async-save staging areas (become checkpoint files)
@@ -136,6 +137,11 @@ class StoreLayout:
     def retention_lock(self) -> Path:
         """The lock file that serialises placing a retention hold against eviction (see ``catalog``)."""
         return self.job_dir / "retention.lock"
+
+    @property
+    def commit_lock(self) -> Path:
+        """The lock file that gives one commit at a time the next sequence number (see ``catalog``)."""
+        return self.job_dir / "commit.lock"
 
     @property
     def procs_dir(self) -> Path:

@@ -3,6 +3,7 @@ max_in_flight, loads that run while saves evict or a delete is asked for."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -24,6 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import dcp_memstore.dcp.reader as reader_module
 from dcp_memstore import CheckpointInUseError, MemoryStorageReader, MemStore
 from dcp_memstore.dcp.stager import Stager
+from dcp_memstore.store import catalog
 
 
 def _state(i: int) -> dict:
@@ -292,6 +294,48 @@ def test_two_synchronous_saves_in_threads_both_commit(shm_dir, same_store):
     assert errors == []
     assert sorted(store_a.list_checkpoints()) == ["a-1", "b-1"]
     assert_tree_equal(big, load_fresh(store_a, big, "a-1"))
+
+
+def test_two_saves_committing_at_once_get_distinct_numbers_and_retention_evicts_the_older(
+    shm_dir, monkeypatch
+):
+    """Commit numbers order the checkpoints (list_checkpoints, and keep_in_memory evicts the lowest). Two
+    saves in threads that commit at the same moment must not take the same number: retention could then
+    evict the newer one. Fault injection: each save waits, once it has taken its number, for the other
+    to take its own (up to 2 s, for a commit that holds the other back), so the two commits overlap every
+    time instead of now and then."""
+    store = MemStore(root=shm_dir, job_id="job", keep_in_memory=2, io_threads=1)
+    both_numbered = threading.Barrier(2, timeout=2)
+    original = MemStore.prepare_everywhere
+
+    def after_numbering(self, record, manifest):
+        # broken: the other commit did not take its number meanwhile (it waits for this one)
+        with contextlib.suppress(threading.BrokenBarrierError):
+            both_numbered.wait()
+        return original(self, record, manifest)
+
+    monkeypatch.setattr(MemStore, "prepare_everywhere", after_numbering)
+    errors: list[BaseException] = []
+
+    def save_in_thread(cid: str) -> None:
+        try:
+            save(store, _filled(1.0), cid)
+        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+
+    threads = [threading.Thread(target=save_in_thread, args=(cid,)) for cid in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    monkeypatch.undo()
+    assert errors == []
+    records = catalog.committed(store.layout)
+    assert len({r.seq for r in records}) == 2, records
+    older, newer = sorted(records, key=lambda r: r.committed_at)
+    assert store.list_checkpoints() == [older.checkpoint_id, newer.checkpoint_id]
+    save(store, _filled(2.0), "c")  # keeps two: evicts the older of the two
+    assert store.list_checkpoints() == [newer.checkpoint_id, "c"]
 
 
 def _filled(v: float) -> dict:
