@@ -17,6 +17,7 @@ from dcp_memstore.persist.persister import global_rank, node_share
 from dcp_memstore.persist.progress import PERSIST_HOLD, PRESSING, Progress, is_owed
 from dcp_memstore.persist.publish import read_parts, remote_commit
 from dcp_memstore.persist.remote_read import RemoteCheckpoint
+from dcp_memstore.persist.target import describe
 from dcp_memstore.status import CheckpointStatus
 from dcp_memstore.store import catalog
 from dcp_memstore.store.ids import validate_name
@@ -100,19 +101,39 @@ class PersistingStore:
         """The upload state of ``cid``, which this node's memory does not hold: ``persisted`` if it is
         published; else, if other nodes of the job hold it in memory, the most pressing state their
         records say (each node uploads its own files: the checkpoint is published once all have); else a
-        FileNotFoundError naming the checkpoints that exist."""
-        if remote_commit(self.target, cid) is not None:
+        FileNotFoundError naming the checkpoints that exist.
+
+        While the target cannot be read (unreachable), the nodes' states stand, except that ``persisted``
+        needs the commit marker seen: a node's claim of it is ``retrying`` with the read error, so that
+        ``wait_persisted`` waits for the target as it waits for an upload that retries. With no node
+        holding it, the read error is raised: whether it is published cannot be told."""
+        published, unread = self._published(cid)
+        if published:
             return CheckpointStatus(cid, False, "persisted", persisted_url=url)
         cluster = self._cluster_copy(cid)
         if cluster is None:
+            if unread is not None:
+                raise unread
             self.open_checkpoint(cid)  # raises FileNotFoundError naming what exists, unless it just appeared
             return self._persist_status(cid)
         states = dict(cluster.uploads.values())
         # a node that says persisted: published since the first look, or removed from the target since
-        if "persisted" in states and remote_commit(self.target, cid) is not None:
-            return CheckpointStatus(cid, False, "persisted", persisted_url=url)
+        if "persisted" in states:
+            published, unread = self._published(cid)
+            if published:
+                return CheckpointStatus(cid, False, "persisted", persisted_url=url)
+            if unread is not None:
+                states.setdefault("retrying", f"cannot read {url}: {describe(unread)}")
         state = next((s for s in PRESSING if s in states), "not requested")
         return CheckpointStatus(cid, False, state, error=states.get(state))
+
+    def _published(self, cid: str) -> tuple[bool, Exception | None]:
+        """Whether ``cid`` is published in the target (its commit marker is there), and the error reading
+        the marker failed with (the target unreachable), if it did."""
+        try:
+            return remote_commit(self.target, cid) is not None, None
+        except Exception as e:  # noqa: BLE001 - the caller tells what it can without the target
+            return False, e
 
     def wait_persisted(self, checkpoint_id: str, timeout: float | None = None) -> CheckpointStatus:
         """Block until ``checkpoint_id`` is persisted. Raises PersistError if its upload failed for good,

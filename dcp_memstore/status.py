@@ -21,7 +21,8 @@ class CheckpointStatus:
     For a checkpoint not in this node's memory (``in_memory`` False) but in the memory of the job's other
     nodes (this node was replaced and not yet restored, deleted its copy, or keeps fewer), ``persist`` is
     ``persisted`` only once it is published; until then the most pressing state those nodes report (each
-    uploads its own files), and the file counts are 0.
+    uploads its own files), and the file counts are 0. While persistent storage cannot be read, a node's
+    ``persisted`` shows as ``retrying`` (``error``: the read error) until the commit marker is seen.
 
     ``replication``: ``off`` (one node, or ``replicas=0``), ``replicated`` (every replica node has
     acknowledged this node's files) or ``under-replicated``; ``replicas`` says it per peer node

@@ -8,6 +8,10 @@
           With ``--elsewhere N`` (two nodes, one rank each), node 1 uploads its share of step N, deletes
           it from its memory and reports what it says of step N while node 0 is not asked to upload its
           share, once node 0's upload failed, and after the test's go-ahead, when node 0 is asked again.
+          With ``--unreachable N`` (likewise), node 1 uploads its share of step N, deletes it and reports
+          what it says of step N while the test keeps the target unreadable: before node 0 is asked,
+          while node 0's upload retries, then (waiting) once the target is back, and once more after
+          it is published, with the target unreadable again.
     load: ``latest_checkpoint()``, then ``dcp.load`` into fresh tensors and compare bit for bit with what
           that step saved (the world size may differ from the save's); with ``--wait-persisted N``, every
           rank then waits for step N's upload and reports how it ended.
@@ -80,6 +84,8 @@ def save(args, store: MemStore, mesh) -> None:
         owe(store, f"step-{args.owe}")
     if args.elsewhere:
         elsewhere(store, f"step-{args.elsewhere}", Path(args.tmp))
+    if args.unreachable:
+        unreachable(store, f"step-{args.unreachable}", Path(args.tmp))
     if args.serve_until:
         svc = store.replication()
         emit(event="serving", addr=list(svc.peers().server(svc.node.node_rank)))
@@ -135,6 +141,33 @@ def elsewhere(store: MemStore, cid: str, tmp: Path) -> None:
     wait_for(tmp / "fixed", 120)
     store.persist(cid)  # retries the failed upload
     (tmp / "retried").write_text("ok")
+    store.wait_persisted(cid, timeout=60)
+
+
+def unreachable(store: MemStore, cid: str, tmp: Path) -> None:
+    """See ``--unreachable`` in the module docstring; the test and the nodes take turns through files in
+    ``tmp`` (the test makes the target unreadable and readable again)."""
+    if dist.get_rank() == 1:
+        owe(store, cid)
+        store.delete(cid)
+        (tmp / "deleted").write_text("ok")
+        wait_for(tmp / "broken", 120)
+        wait_persisted(store, cid, 1, "unrequested")
+        (tmp / "reported").write_text("ok")
+        wait_for(tmp / "retrying", 120)
+        wait_persisted(store, cid, 1, "down")
+        wait_persisted(store, cid, 60, "restored")
+        wait_for(tmp / "broken-again", 120)
+        wait_persisted(store, cid, 1, "published")
+        return
+    wait_for(tmp / "reported", 120)
+    store.persist(cid)
+    deadline = time.monotonic() + 60
+    while store.status(cid).persist != "retrying":
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the upload of {cid} did not retry within 60 s: {store.status(cid)}")
+        time.sleep(0.05)
+    (tmp / "retrying").write_text("ok")
     store.wait_persisted(cid, timeout=60)
 
 
@@ -209,6 +242,7 @@ def main() -> None:
     p.add_argument("--owe-rank", type=int, default=0, help="the rank whose node --owe asks")
     p.add_argument("--wait-persisted", type=int, default=0, help="after loading, wait for it")
     p.add_argument("--elsewhere", type=int, default=0, help="after saving, this step's status off node 1")
+    p.add_argument("--unreachable", type=int, default=0, help="as --elsewhere, the target unreadable")
     p.add_argument("--serve-until", default=None, help="after saving, serve until this file appears in --tmp")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

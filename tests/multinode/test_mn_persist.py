@@ -3,11 +3,14 @@ of them share: each node uploads the files its ranks wrote, and the checkpoint i
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.multinode.mn_worker import global_weight
+from tests.multinode.mn_worker import global_weight, wait_for
 from tests.multinode.test_mn_replication import (
     JOB,
     TIMEOUT_S,
@@ -59,6 +62,14 @@ def save_and_lose_node1_before_its_upload(cluster, tmp_path, shared, replicas: i
     assert names and all(n.startswith("__0_") for n in names), names  # node 0's files only
     if wiped:
         cluster.node(1).wipe_root()
+
+
+def node1_report(log1: Path, phase: str) -> dict:
+    """What node 1 reported of the checkpoint it does not hold at ``phase`` (waited for)."""
+    wait_line(log1, f'"phase": "{phase}"', TIMEOUT_S)
+    (persist,) = [e for e in of(events(log1.read_text(errors="replace")), "persist") if e["phase"] == phase]
+    assert persist["in_memory"] is False and persist["files"] == [0, 0], persist
+    return persist
 
 
 @pytest.mark.parametrize("wiped", [True, False], ids=["node1-replaced", "node1-never-asked"])
@@ -175,16 +186,7 @@ def test_status_on_a_node_without_the_checkpoint_says_what_the_nodes_holding_it_
     args = ["save", "--steps", 1, "--mib", 2, "--persist-to", shared, "--persist-every", 0,
             "--elsewhere", 1, "--tmp", tmp_path]  # fmt: skip
     procs = launch(cluster2, [0, 1], args, tmp_path)
-    log1 = tmp_path / "node1.log"
-
-    def report(phase: str) -> dict:
-        wait_line(log1, f'"phase": "{phase}"', TIMEOUT_S)
-        (persist,) = [
-            e for e in of(events(log1.read_text(errors="replace")), "persist") if e["phase"] == phase
-        ]
-        assert persist["in_memory"] is False and persist["files"] == [0, 0], persist
-        return persist
-
+    report = functools.partial(node1_report, tmp_path / "node1.log")
     unrequested = report("unrequested")
     assert unrequested["state"] == "not requested", unrequested
     assert unrequested["outcome"].startswith("ValueError") and "nodes that hold it" in unrequested["outcome"]
@@ -197,6 +199,53 @@ def test_status_on_a_node_without_the_checkpoint_says_what_the_nodes_holding_it_
     saved = finish(procs, [0, 1], tmp_path)
     (retried,) = [e for e in of(saved[1], "persist") if e["phase"] == "retried"]
     assert retried == {**retried, "outcome": "persisted", "url": f"{shared}/step-1"}, retried
+    out = {"w": torch.zeros(2 * 256, 1024), "bias": torch.zeros(1000, dtype=torch.float64), "step": -1}
+    dcp.load(out, storage_reader=dcp.FileSystemReader(str(shared / "step-1")), no_dist=True)
+    assert torch.equal(out["w"], global_weight(1, 2)) and out["step"] == 1
+
+
+def test_status_on_a_node_without_the_checkpoint_while_the_target_cannot_be_read(cluster2, tmp_path):
+    """As above, but the shared directory cannot be read for a while: it becomes a symlink to itself, so
+    every read fails with ELOOP, an error the persister retries (as a hung mount or an S3 endpoint that is
+    down; the nodes cannot reach the tests' S3 server from their namespaces, and root reads a directory
+    whatever its mode). Node 1's status does not raise that error but says what node 0 does: not asked
+    (ValueError), then retrying (wait_persisted waits, it does not raise); once the target is back,
+    wait_persisted returns when the checkpoint is published. With the target unreadable again after that,
+    node 1 does not say persisted (node 0 does: it saw the publication) without seeing the marker."""
+    shared = tmp_path / "persisted"
+    away = tmp_path / "persisted.away"
+
+    def target_down() -> None:
+        shared.rename(away)
+        shared.symlink_to(shared)
+
+    def target_up() -> None:
+        shared.unlink()
+        away.rename(shared)
+
+    args = ["save", "--steps", 1, "--mib", 2, "--persist-to", shared, "--persist-every", 0,
+            "--unreachable", 1, "--tmp", tmp_path]  # fmt: skip
+    procs = launch(cluster2, [0, 1], args, tmp_path)
+    report = functools.partial(node1_report, tmp_path / "node1.log")
+    wait_for(tmp_path / "deleted", TIMEOUT_S)
+    target_down()
+    (tmp_path / "broken").write_text("ok")
+    unrequested = report("unrequested")
+    assert unrequested["state"] == "not requested", unrequested
+    assert unrequested["outcome"].startswith("ValueError") and "nodes that hold it" in unrequested["outcome"]
+    down = report("down")  # node 0's upload is retrying
+    assert down["outcome"].startswith("TimeoutError") and down["state"] == "retrying", down
+    assert "Too many levels of symbolic links" in down["error"], down
+    target_up()
+    restored = report("restored")
+    assert restored == {**restored, "outcome": "persisted", "url": f"{shared}/step-1"}, restored
+    target_down()
+    (tmp_path / "broken-again").write_text("ok")
+    published = report("published")
+    assert published["outcome"].startswith("TimeoutError") and published["state"] == "retrying", published
+    assert "Too many levels of symbolic links" in published["error"] and published["url"] is None, published
+    target_up()
+    finish(procs, [0, 1], tmp_path)
     out = {"w": torch.zeros(2 * 256, 1024), "bias": torch.zeros(1000, dtype=torch.float64), "step": -1}
     dcp.load(out, storage_reader=dcp.FileSystemReader(str(shared / "step-1")), no_dist=True)
     assert torch.equal(out["w"], global_weight(1, 2)) and out["step"] == 1
