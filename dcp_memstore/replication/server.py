@@ -7,7 +7,9 @@ payloads; nothing unpickled), and only touches paths under its own root and job:
     <root>/<job>/checkpoints/<checkpoint>/<file>                 this node's files (served by ``get``)
     <root>/<job>/replicas/<source-node>/<checkpoint>/<file>       replicas it keeps for other nodes
 
-A node's own files are served only once their checkpoint is committed there. ``stat`` also says this
+Starting, it removes the temporary files of transfers whose receiving process died (``remove_stale_parts``)
+under ``replicas/`` and ``fetched/`` (files a reader fetched from a peer). A node's own files are served
+only once their checkpoint is committed there. ``stat`` also says this
 node's upload state of a committed checkpoint towards the target the peer names (its records on tmpfs,
 ``persist.progress``): a node that lacks the checkpoint tells from them whether it is being persisted.
 The ``commit`` op (the coordinator preparing, committing or aborting a checkpoint on this node; a prepare
@@ -162,9 +164,12 @@ class PeerServer:
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._unauthenticated: dict[socket.socket, str] = {}  # of _conns: source host, oldest first
         self._closing = False
-        removed = remove_stale_parts(self.layout, self.layout.replicas_dir)
+        # received files of processes killed mid-transfer: replicas, and files a reader fetched from a peer
+        removed = sum(
+            remove_stale_parts(self.layout, d) for d in (self.layout.replicas_dir, self.layout.fetches_dir)
+        )
         if removed:
-            log.info("removed %d partial replica files left by crashed transfers", removed)
+            log.info("removed %d partial files left by crashed transfers", removed)
         self._listener = _listen(bind_host, port)
         self._accept_thread = threading.Thread(
             target=self._accept_loop, name="dcp_memstore-peer-accept", daemon=True

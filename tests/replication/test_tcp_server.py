@@ -713,6 +713,43 @@ def test_stale_temporaries_of_dead_processes_removed_at_start(peer_root, secret)
         assert sorted(os.listdir(d)) == [live, "kept"]
 
 
+# A reader fetching a file of another node into this node's fetched/<checkpoint>/: it holds the temporary
+# file that the fetch (``TcpTransport.get_file``) fills, prints its name, and waits to be killed.
+_FETCHING = """
+import sys
+from pathlib import Path
+from dcp_memstore.replication.transport import IncomingFile
+from dcp_memstore.store.layout import StoreLayout, shard_name
+layout = StoreLayout(Path(sys.argv[1]), sys.argv[2])
+layout.fetched_dir("step-1").mkdir(parents=True)
+incoming = IncomingFile(layout.fetched_dir("step-1") / shard_name(1, 0), 1 << 20, layout)
+print(incoming.tmp.name, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_fetch_temporaries_of_a_killed_reader_removed_at_start(peer_root, secret):
+    """A reader SIGKILLed while it fetched a file from another node's memory left the fetch's temporary
+    file (a whole file's memory) in fetched/<checkpoint>/; it stayed until the checkpoint went. A server of
+    the job starting here removes it, as it removes dead transfers' replica temporaries; a live fetch's
+    temporary is kept."""
+    layout = StoreLayout(peer_root, JOB)
+    reader = subprocess.Popen(
+        [sys.executable, "-c", _FETCHING, str(peer_root), JOB], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    dead = reader.stdout.readline().decode().strip()
+    reader.kill()
+    assert reader.wait(timeout=30) == -signal.SIGKILL
+    reader.stdout.close()
+    reader.stdin.close()
+    fetched = layout.fetched_dir("step-1")
+    live = part_name(shard_name(2, 0), liveness.own_token(layout), "0123abcd")  # a fetch of this process
+    (fetched / live).write_bytes(b"x")
+    assert sorted(os.listdir(fetched)) == sorted([dead, live])
+    with PeerServer(peer_root, JOB, secret, "127.0.0.1"):
+        assert os.listdir(fetched) == [live]
+
+
 # A peer server of the job in a PID namespace of its own (a container sharing this node's tmpfs): prints
 # its pid there and its port, then serves until killed.
 _SERVER_ELSEWHERE = """
