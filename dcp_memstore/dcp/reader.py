@@ -9,7 +9,8 @@ reads whose destinations share memory: those run in plan order on one thread.
 
 A load holds this node's copy of its checkpoint (a retention hold, ``catalog.process_hold``) from
 ``read_metadata`` until ``read_data`` ends, so saves committing meanwhile, in this process or another,
-neither evict it nor reuse its files while they are read.
+neither evict it nor reuse its files while they are read. A load that fails in between (its planner
+raises; DCP tells the reader nothing) releases it when DCP drops that load's metadata.
 """
 
 from __future__ import annotations
@@ -131,6 +132,7 @@ class MemoryStorageReader(StorageReader):
         except BaseException:
             self._release_hold()
             raise
+        self._tie_hold(metadata)
         self._storage_data = dict(metadata.storage_data)
         return metadata
 
@@ -138,10 +140,10 @@ class MemoryStorageReader(StorageReader):
         """``src``, with this node's copy held against eviction until the load ends: a save that commits
         meanwhile (in this process or another) would otherwise evict it and hand its files to a new save
         while they are read, and the load would copy that save's bytes. The hold is released when
-        ``read_data`` ends, else (the load failed in between: DCP says nothing) when this reader reads the
-        metadata of its next load or is garbage-collected; eviction drops it if this process dies. A copy
-        evicted since ``reset`` is looked up again: in another tier, or FileNotFoundError naming the
-        committed checkpoints."""
+        ``read_data`` ends, else (the load failed in between: DCP says nothing) when DCP drops the load's
+        metadata (``_tie_hold``) or this reader reads the metadata of its next load; eviction drops it if
+        this process dies. A copy evicted since ``reset`` is looked up again: in another tier, or
+        FileNotFoundError naming the committed checkpoints."""
         if src.local_dir is None:
             return src  # nothing of it on this node to evict
         name = catalog.process_hold(self.store.layout, src.checkpoint_id, "load")
@@ -149,6 +151,15 @@ class MemoryStorageReader(StorageReader):
             return self._held(self.store.open_checkpoint(src.checkpoint_id))
         self._hold = weakref.finalize(self, catalog.release, self.store.layout, src.checkpoint_id, name)
         return src
+
+    def _tie_hold(self, metadata: Metadata) -> None:
+        """Let this load's hold live as long as ``metadata``, which DCP (and its planner) keeps until the
+        load ends, rather than as long as this reader: a load that fails before ``read_data`` then releases
+        it when DCP drops that metadata (with the error, which a reference cycle may keep until the garbage
+        collector runs), not at this reader's next load, which a job that trains on may never make."""
+        if self._hold is not None:
+            _, release, args, _ = self._hold.detach()
+            self._hold = weakref.finalize(metadata, release, *args)
 
     def _release_hold(self) -> None:
         """Release this load's retention hold, if it has one."""
