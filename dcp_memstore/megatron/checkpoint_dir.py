@@ -115,20 +115,45 @@ def common_checksum(checkpoint_dir: str | os.PathLike) -> str | None:
     return f"{checksum_bytes(data):016x}"
 
 
-def check_common_state(checkpoint_dir: str | os.PathLike) -> None:
-    """CheckpointingException unless ``common.pt`` is the one committed with the checkpoint's tensors.
+class CommonStateCheck:
+    """Called with a ``checkpoint_dir``: CheckpointingException unless its ``common.pt`` is the one
+    committed with the checkpoint's tensors.
 
     Megatron writes ``common.pt`` before the sharded strategy runs, so a second save into the directory of
     a committed checkpoint replaces it even though the store refuses that save's tensors; loading would
-    then mix the two saves. Pointers without a checksum (none recorded) are not checked."""
-    pointer = read_pointer(checkpoint_dir)
-    if pointer is None or pointer.get("common_checksum") is None:
-        return
-    if common_checksum(checkpoint_dir) != pointer["common_checksum"]:
-        raise CheckpointingException(
-            f"{Path(checkpoint_dir) / COMMON_STATE} changed after checkpoint "
-            f"{pointer.get('checkpoint_id')!r} was committed (a later dist_checkpointing.save into this "
-            "directory wrote it, and the store refused that save's tensors): its common state does not "
-            "belong with the tensors. Load another checkpoint (store.latest_checkpoint()), or delete this "
-            "one with store.delete(id) and save it again"
-        )
+    then mix the two saves. Pointers without a checksum (none recorded) are not checked.
+
+    A check remembers the file it last verified (device, inode, size, modification and change times, taken
+    before reading it) with the checksum it matched: Megatron's ``FullyParallelLoadStrategyWrapper`` runs
+    the load strategy twice per load (objects, then tensors), and the second run does not read and hash
+    the same file again. A ``common.pt`` written since has other times, and is checked again."""
+
+    def __init__(self) -> None:
+        self._verified: tuple | None = None
+
+    def __call__(self, checkpoint_dir: str | os.PathLike) -> None:
+        pointer = read_pointer(checkpoint_dir)
+        if pointer is None or pointer.get("common_checksum") is None:
+            return
+        path = Path(checkpoint_dir) / COMMON_STATE
+        seen = (_file_version(path), pointer["common_checksum"])  # the version before it is read
+        if seen[0] is not None and seen == self._verified:
+            return
+        if common_checksum(checkpoint_dir) != pointer["common_checksum"]:
+            raise CheckpointingException(
+                f"{path} changed after checkpoint {pointer.get('checkpoint_id')!r} was committed (a later "
+                "dist_checkpointing.save into this directory wrote it, and the store refused that save's "
+                "tensors): its common state does not belong with the tensors. Load another checkpoint "
+                "(store.latest_checkpoint()), or delete this one with store.delete(id) and save it again"
+            )
+        self._verified = seen
+
+
+def _file_version(path: Path) -> tuple[int, ...] | None:
+    """What writing or replacing the file at ``path`` changes: its device, inode, size, modification and
+    change times; None if there is no file."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns

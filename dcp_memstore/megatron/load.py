@@ -32,7 +32,7 @@ from dcp_memstore.dcp.reader import MemoryStorageReader
 from dcp_memstore.megatron.checkpoint_dir import (
     BACKEND,
     VERSION,
-    check_common_state,
+    CommonStateCheck,
     read_pointer,
     resolve_checkpoint_id,
 )
@@ -50,6 +50,7 @@ class MemStoreLoadStrategy(TorchDistLoadShardedStrategy):
         super().__init__()
         self.store = store
         self.loads = 0
+        self._check_common_state = CommonStateCheck()
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         if loaded_backend != BACKEND:
@@ -68,7 +69,7 @@ class MemStoreLoadStrategy(TorchDistLoadShardedStrategy):
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike) -> StateDict:
         """Load the ShardedTensors and ShardedObjects of ``sharded_state_dict`` from the store."""
         cid = resolve_checkpoint_id(checkpoint_dir, self.store)
-        check_common_state(checkpoint_dir)  # Megatron has read it already: it must be this checkpoint's
+        self._check_common_state(checkpoint_dir)  # Megatron has read it: it must be this checkpoint's
         checked, mismatch_ok = [], {}
         for sh in nested_values(sharded_state_dict):
             if isinstance(sh, ShardedTensor):

@@ -37,7 +37,8 @@ RESAVED, KEPT = "iter_0000100", "iter_0000200"  # checkpoint directories' names
 
 
 def resave_job(rank: int, world: int, root: str, ckpts: str) -> dict[str, Any]:
-    """Each rank: save two checkpoints, save the first directory again (refused), load both; report."""
+    """Each rank: save two checkpoints, load the first, save its directory again (refused), load both with
+    the same load strategy; report."""
     store = MemStore(root, JOB_ID, keep_in_memory=3, io_threads=2)
     save, load = MemStoreSaveStrategy(store), MemStoreLoadStrategy(store)
     base = Path(ckpts)
@@ -53,6 +54,7 @@ def resave_job(rank: int, world: int, root: str, ckpts: str) -> dict[str, Any]:
 
     mdc.save(state(1), str(base / RESAVED), sharded_strategy=save)
     mdc.save(state(2), str(base / KEPT), sharded_strategy=save)
+    out["before"] = mdc.load(megatron_state.template(rank, world), str(base / RESAVED), sharded_strategy=load)
     try:
         mdc.save(state(3), str(base / RESAVED), sharded_strategy=save)
         out["resave"] = None
@@ -78,8 +80,10 @@ def job() -> Any:
 def test_load_refuses_common_state_replaced_by_a_refused_save(job: list[dict]) -> None:
     """The second save into the directory is refused, and loading the directory then fails saying that its
     common.pt is not the one saved with its tensors (before, it returned the tensors of the first save with
-    the common state of the refused one)."""
-    for rep in job:
+    the common state of the refused one); also with the load strategy that verified the first common.pt
+    (it checks a file only once while it is unchanged)."""
+    for rank, rep in enumerate(job):
+        assert_bit_equal(rep["before"], megatron_state.expected_loaded(rank, 1), f"rank {rank} before")
         assert rep["resave"] is not None and "already exists" in rep["resave"]
         loaded = rep["loaded"]
         assert isinstance(loaded, str), f"loaded a mixed checkpoint: {loaded.get('iteration')=}"
