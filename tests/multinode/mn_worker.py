@@ -118,6 +118,15 @@ def wait_persisted(store: MemStore, cid: str, timeout: float = 20, phase: str = 
          in_memory=st.in_memory, files=files, url=st.persisted_url, phase=phase)  # fmt: skip
 
 
+def wait_state(store: MemStore, cid: str, state: str, timeout: float) -> None:
+    """Wait until ``store.status(cid).persist`` is ``state``; TimeoutError after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while store.status(cid).persist != state:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the upload of {cid} was not {state} within {timeout} s: {store.status(cid)}")
+        time.sleep(0.05)
+
+
 def elsewhere(store: MemStore, cid: str, tmp: Path) -> None:
     """See ``--elsewhere`` in the module docstring; the nodes take turns through files in ``tmp``."""
     if dist.get_rank() == 1:
@@ -132,11 +141,7 @@ def elsewhere(store: MemStore, cid: str, tmp: Path) -> None:
         return
     wait_for(tmp / "deleted", 120)
     store.persist(cid)
-    deadline = time.monotonic() + 60
-    while store.status(cid).persist != "failed":
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the upload of {cid} did not fail within 60 s: {store.status(cid)}")
-        time.sleep(0.05)
+    wait_state(store, cid, "failed", 60)
     (tmp / "failed").write_text("ok")
     wait_for(tmp / "fixed", 120)
     store.persist(cid)  # retries the failed upload
@@ -162,11 +167,7 @@ def unreachable(store: MemStore, cid: str, tmp: Path) -> None:
         return
     wait_for(tmp / "reported", 120)
     store.persist(cid)
-    deadline = time.monotonic() + 60
-    while store.status(cid).persist != "retrying":
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the upload of {cid} did not retry within 60 s: {store.status(cid)}")
-        time.sleep(0.05)
+    wait_state(store, cid, "retrying", 60)
     (tmp / "retrying").write_text("ok")
     store.wait_persisted(cid, timeout=60)
 

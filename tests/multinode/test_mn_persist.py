@@ -25,6 +25,17 @@ from tests.multinode.test_mn_replication import (
 pytestmark = pytest.mark.slow
 
 
+def loaded_and_persisted(evs: list[dict], latest: str | None = None) -> dict:
+    """The ``persist`` event of one node's ``load`` run, after checking that it resumed from ``latest``
+    (if given), loaded bit-exact, and saw the checkpoint persisted while it was in its memory."""
+    if latest is not None:
+        assert of(evs, "latest")[0]["checkpoint"] == latest
+    assert of(evs, "loaded")[0]["ok"] is True
+    (persist,) = of(evs, "persist")
+    assert persist == {**persist, "outcome": "persisted", "in_memory": True}, persist
+    return persist
+
+
 def test_two_nodes_persist_to_a_shared_directory_that_stock_dcp_loads(cluster2, tmp_path):
     shared = tmp_path / "persisted"
     saved = run_job(
@@ -83,10 +94,7 @@ def test_owed_checkpoint_older_than_the_newest_is_completed_after_a_restart(clus
     args = ["load", "--mib", 2, "--persist-to", shared, "--persist-every", 0, "--wait-persisted", 1]
     loaded = run_job(cluster2, [0, 1], args, tmp_path)
     for evs in loaded:
-        assert of(evs, "latest")[0]["checkpoint"] == "step-2"
-        assert of(evs, "loaded")[0]["ok"] is True
-        (persist,) = of(evs, "persist")
-        assert persist == {**persist, "outcome": "persisted", "in_memory": True}, persist
+        persist = loaded_and_persisted(evs, "step-2")
         assert persist["files"][0] == persist["files"][1] > 0
     assert of(loaded[1], "latest")[0]["here"] == ["step-1", "step-2"]
     out = {"w": torch.zeros(2 * 256, 1024), "bias": torch.zeros(1000, dtype=torch.float64), "step": -1}
@@ -125,9 +133,7 @@ def test_owed_files_of_a_node_that_left_the_job_are_uploaded_from_its_replicas(r
     args = ["load", "--mib", 2, "--persist-to", shared, "--persist-every", 0, "--wait-persisted", 1]
     loaded = run_job(cluster, list(range(nnodes - 1)), args, tmp_path)
     for evs in loaded:
-        assert of(evs, "loaded")[0]["ok"] is True
-        (persist,) = of(evs, "persist")
-        assert persist == {**persist, "outcome": "persisted", "in_memory": True}, persist
+        loaded_and_persisted(evs)
     out = {"w": torch.zeros(2 * 256, 1024), "bias": torch.zeros(1000, dtype=torch.float64), "step": -1}
     dcp.load(out, storage_reader=dcp.FileSystemReader(str(shared / "step-1")), no_dist=True)
     assert torch.equal(out["w"], global_weight(1, 2)) and out["step"] == 1
@@ -163,10 +169,7 @@ def test_owed_files_kept_only_by_a_node_that_restores_the_checkpoint_are_uploade
     args = ["load", "--mib", 24, "--persist-to", shared, "--persist-every", 0, "--wait-persisted", 1]
     loaded = run_job(cluster3, [0, 1], args, tmp_path)
     for evs in loaded:
-        assert of(evs, "latest")[0]["checkpoint"] == "step-1"
-        assert of(evs, "loaded")[0]["ok"] is True
-        (persist,) = of(evs, "persist")
-        assert persist == {**persist, "outcome": "persisted", "in_memory": True}, persist
+        loaded_and_persisted(evs, "step-1")
     taken = sorted(f.name for f in (job0 / "checkpoints" / "step-1").glob("__2_*"))
     assert taken == kept and not list((job0 / "replicas" / "node2" / "step-1").glob("__*"))  # moved
     out = {"w": torch.zeros(24 * 256, 1024), "bias": torch.zeros(1000, dtype=torch.float64), "step": -1}
