@@ -22,7 +22,7 @@ from typing import Any, BinaryIO
 import fsspec
 from fsspec.core import url_to_fs
 
-from dcp_memstore.store.records import write_atomic
+from dcp_memstore.store.records import atomic_file
 
 log = logging.getLogger(__name__)
 
@@ -120,10 +120,8 @@ class PersistTarget:
         """Write a small object so that it appears whole or not at all, durably (object stores: one PUT;
         local file systems: a hidden temporary name, fsync, rename, fsync of the directory)."""
         if self.is_local:
-            directory = Path(path).parent
-            directory.mkdir(parents=True, exist_ok=True)
-            write_atomic(Path(path), data)
-            sync_directory(directory)
+            with self.open_whole(path, len(data)) as out:
+                out.write(data)
         else:
             self.fs.pipe_file(path, data)
 
@@ -134,20 +132,13 @@ class PersistTarget:
         as it was. So two nodes uploading the same file (one that took it over, and its writer's node
         back with it) never leave a torn one, even once it is published. Local file systems: written
         under a hidden temporary name beside it (left behind only by a killed process), fsynced, renamed
-        over it; object stores: one PUT or multipart upload, aborted on an error instead of completed
-        with what was written so far."""
+        over it (``records.atomic_file``), then the directory fsynced; object stores: one PUT or
+        multipart upload, aborted on an error instead of completed with what was written so far."""
         if self.is_local:
             directory = Path(path).parent
             directory.mkdir(parents=True, exist_ok=True)
-            tmp = directory / f".{Path(path).name}.part-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            try:
-                with open(tmp, "wb") as out:
-                    yield out
-                    out.flush()
-                    os.fsync(out.fileno())
-                os.replace(tmp, path)
-            finally:
-                tmp.unlink(missing_ok=True)
+            with atomic_file(Path(path)) as out:
+                yield out
             sync_directory(directory)
             return
         out = self.fs.open(path, "wb", block_size=block_size)

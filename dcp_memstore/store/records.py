@@ -6,28 +6,39 @@ half-written one visible: data goes to a temporary name in the same directory an
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import msgpack
 
 MAX_RECORD_BYTES = 1 << 30  # a manifest of a very large model stays far below this
 
 
-def write_atomic(path: Path, data: bytes | bytearray) -> None:
-    """Write ``data`` to ``path`` so that readers see either the old file or the whole new one."""
+@contextlib.contextmanager
+def atomic_file(path: Path) -> Iterator[BinaryIO]:
+    """A file to write that replaces ``path`` (fsynced) when the block ends without an error, and never in
+    part: readers see either the old file or the whole new one. Until then it has a hidden temporary name
+    in the same directory, ``.<name>.tmp-<pid>-<8 hex>``, which only a killed process leaves behind."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_atomic(path: Path, data: bytes | bytearray) -> None:
+    """Write ``data`` to ``path`` so that readers see either the old file or the whole new one."""
+    with atomic_file(path) as f:
+        f.write(data)
 
 
 def write_record(path: Path, record: Any) -> None:
