@@ -36,39 +36,59 @@ def is_memory_backed(path: Path) -> bool:
     return filesystem_type(path) in MEMORY_FILESYSTEMS
 
 
+def _cgroup_levels(mount: Path, rel: str) -> list[Path]:
+    """The cgroup directory ``rel`` under ``mount`` and each of its ancestors up to ``mount`` itself.
+
+    In a container without a cgroup namespace, ``rel`` names a host path that the container's mount lacks;
+    the walk then ends at the mount, which is the container's own cgroup."""
+    level = mount / rel.strip("/")
+    levels = [level]
+    while level != mount:
+        level = level.parent
+        levels.append(level)
+    return levels
+
+
+def _level_headroom(level: Path, limit_file: str, usage_file: str, inactive_key: str) -> int | None:
+    """Bytes the cgroup at ``level`` may still charge, or None if it sets no limit (or cannot be read)."""
+    try:
+        limit = (level / limit_file).read_text().strip()
+        usage = int((level / usage_file).read_text())
+        stat = dict(line.split() for line in (level / "memory.stat").read_text().splitlines())
+    except (OSError, ValueError):
+        return None
+    if limit == "max" or int(limit) >= 1 << 60:  # v1 writes "no limit" as a huge number
+        return None
+    return max(0, int(limit) - usage + int(stat.get(inactive_key, 0)))
+
+
 def cgroup_headroom() -> int | None:
-    """Bytes this process's cgroup may still charge before its memory limit, or None if unlimited.
+    """Bytes this process's cgroup may still charge before a memory limit, or None if unlimited.
 
     tmpfs pages are charged to the cgroup that touches them first, so in a container the limit, not the
     machine's free memory, decides whether a checkpoint fits (beyond it the OOM killer, not an error).
-    Reads cgroup v2 (memory.max) or v1 (memory.limit_in_bytes); inactive file cache, which the kernel
-    reclaims before it fails an allocation, counts as free."""
+    Every ancestor's limit applies too, and a batch system often sets it there only (Slurm limits the
+    job's cgroup, not the task's below it), so this is the smallest headroom of the process's cgroup and
+    each ancestor. Reads cgroup v2 (memory.max) or v1 (memory.limit_in_bytes); inactive file cache, which
+    the kernel reclaims before it fails an allocation, counts as free."""
     try:
         with open("/proc/self/cgroup") as f:
             lines = [line.strip().split(":", 2) for line in f]
     except OSError:
         return None
-    candidates = []
+    root = Path("/sys/fs/cgroup")
+    headrooms = []
     for _, controllers, rel in lines:
         if controllers == "":
-            for base in (Path("/sys/fs/cgroup") / rel.lstrip("/"), Path("/sys/fs/cgroup")):
-                candidates.append((base, "memory.max", "memory.current", "inactive_file"))
+            files = ("memory.max", "memory.current", "inactive_file")
+            levels = _cgroup_levels(root, rel)
         elif "memory" in controllers.split(","):
-            for base in (Path("/sys/fs/cgroup/memory") / rel.lstrip("/"), Path("/sys/fs/cgroup/memory")):
-                candidates.append(
-                    (base, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
-                )
-    for base, limit_file, usage_file, inactive_key in candidates:
-        try:
-            limit = (base / limit_file).read_text().strip()
-            usage = int((base / usage_file).read_text())
-            stat = dict(line.split() for line in (base / "memory.stat").read_text().splitlines())
-        except (OSError, ValueError):
+            files = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+            levels = _cgroup_levels(root / "memory", rel)
+        else:
             continue
-        if limit == "max" or int(limit) >= 1 << 60:  # v1 writes "no limit" as a huge number
-            return None
-        return max(0, int(limit) - usage + int(stat.get(inactive_key, 0)))
-    return None
+        headrooms += [h for level in levels if (h := _level_headroom(level, *files)) is not None]
+    return min(headrooms, default=None)
 
 
 def free_bytes(path: Path) -> int:
