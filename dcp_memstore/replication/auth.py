@@ -1,15 +1,21 @@
-"""Authentication of replication messages: HMAC-SHA256 with a per-job secret, timestamps, one-time nonces.
+"""Authentication of replication messages: HMAC-SHA256 with a per-job secret, per-connection challenges,
+timestamps, one-time nonces.
 
 A peer server accepts a request only if it carries a MAC made with this job's secret over the request's
 canonical encoding (msgpack, map keys sorted, without the ``mac`` field), which covers the ``job``, the
 ``op``, every argument, the server it is for (``to``: the server's address as the client's connection
-reached it, see ``destination``), a timestamp ``ts`` (Unix milliseconds) and a random ``nonce``. Requests
-for another server (a capture replayed to a server that has not seen its nonce), outside the time window
-(clock skew or a stale capture) and nonces already seen (a replay) are refused. Replies are
-signed too, bound to the request by echoing its nonce (``re``), so a client also knows it talks to a peer of
-its own job, and to their place among that request's replies (a ``put``'s go-ahead is reply 0, its "stored"
-reply 1), so a go-ahead replayed by a man in the middle never passes for the answer that the bytes were
-kept. Request and reply MACs use different domain prefixes, so one can never pass for the other.
+reached it, see ``destination``), the ``challenge`` that server sent when the connection opened (random,
+fresh for every connection, see ``wire``), a timestamp ``ts`` (Unix milliseconds) and a random ``nonce``.
+A request is thus good on its own connection only: a capture replayed on another connection, to the same
+server, to another node's server, or to a server restarted on the same address (whose memory of nonces
+starts empty), names another connection's challenge and is refused, however soon it is replayed. Requests
+for another server (``to``: a man in the middle relaying a request meant for one server to another),
+outside the time window (clock skew or a stale capture) and nonces already seen (a replay on the same
+connection) are refused too. Replies are signed too, bound to the request by echoing its nonce (``re``),
+so a client also knows it talks to a peer of its own job, and to their place among that request's replies
+(a ``put``'s go-ahead is reply 0, its "stored" reply 1), so a go-ahead replayed by a man in the middle
+never passes for the answer that the bytes were kept. Request and reply MACs use different domain
+prefixes, so one can never pass for the other.
 
 The secret is 32 random bytes per job, shared through the torch.distributed store (rank 0 creates it under
 ``dcp_memstore/<job>/secret``; the others wait for it) or given by the user. It is as secret as that store:
@@ -36,6 +42,7 @@ from dcp_memstore.store.ids import validate_name
 SECRET_BYTES = 32
 MIN_SECRET_BYTES = 16
 NONCE_BYTES = 16
+CHALLENGE_BYTES = 16
 MAC_BYTES = 32
 DEFAULT_WINDOW_S = 300.0
 DEFAULT_MAX_NONCES = 1 << 16
@@ -44,7 +51,13 @@ _REPLY_DOMAIN = b"dcp_memstore replication reply v1\0"
 
 
 class AuthError(PermissionError):
-    """A message failed authentication (bad MAC, wrong job, stale timestamp, replayed nonce)."""
+    """A message failed authentication (bad MAC, wrong job, another connection's challenge, stale timestamp,
+    replayed nonce)."""
+
+
+def new_challenge() -> bytes:
+    """A fresh random challenge for one connection (see the module docstring)."""
+    return secrets.token_bytes(CHALLENGE_BYTES)
 
 
 def new_secret() -> bytes:
@@ -99,10 +112,17 @@ def destination(sockaddr: tuple) -> str:
     return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
 
 
-def sign_request(header: Mapping, secret: bytes, job_id: str, to: str) -> dict:
-    """``header`` (with its ``op``) for the server named ``to`` (``destination``), plus ``job``, ``ts``, a
-    fresh ``nonce`` and the ``mac`` over all of it."""
-    signed = {**header, "job": job_id, "to": to, "ts": _now_ms(), "nonce": secrets.token_bytes(NONCE_BYTES)}
+def sign_request(header: Mapping, secret: bytes, job_id: str, to: str, challenge: bytes) -> dict:
+    """``header`` (with its ``op``) for the server named ``to`` (``destination``) on the connection where
+    that server sent ``challenge``, plus ``job``, ``ts``, a fresh ``nonce`` and the ``mac`` over all of it."""
+    signed = {
+        **header,
+        "job": job_id,
+        "to": to,
+        "challenge": challenge,
+        "ts": _now_ms(),
+        "nonce": secrets.token_bytes(NONCE_BYTES),
+    }
     signed["mac"] = _mac(secret, _REQUEST_DOMAIN, signed)
     return signed
 
@@ -136,7 +156,8 @@ def verify_reply(reply: Mapping, secret: bytes, request_nonce: bytes, index: int
 
 
 class RequestVerifier:
-    """Checks requests for one job: MAC, job, timestamp window and nonce reuse. Thread-safe.
+    """Checks requests for one job: MAC, job, server, connection challenge, timestamp window and nonce
+    reuse. Thread-safe.
 
     A request's nonce is remembered while its timestamp is inside the time window (later, the window
     refuses the request anyway), at most ``max_nonces`` of them. When that many are remembered, the nonce
@@ -164,9 +185,10 @@ class RequestVerifier:
         self._floor = -1  # the newest timestamp whose nonce was forgotten before its window ended
         self._lock = threading.Lock()
 
-    def verify(self, header: Mapping, to: str) -> None:
+    def verify(self, header: Mapping, to: str, challenge: bytes) -> None:
         """Raise AuthError unless ``header`` is a fresh request signed with this job's secret for the server
-        named ``to`` (``destination`` of the server's end of the connection it came on)."""
+        named ``to`` (``destination`` of the server's end of the connection it came on), on the connection
+        where that server sent ``challenge``."""
         mac, nonce, ts, job = (header.get(k) for k in ("mac", "nonce", "ts", "job"))
         if not isinstance(mac, bytes) or len(mac) != MAC_BYTES:
             raise AuthError("the request carries no valid MAC (32 bytes in field 'mac')")
@@ -185,6 +207,12 @@ class RequestVerifier:
                 f"the request is for the replication server at {header.get('to')}; this is the one at {to}: "
                 f"it is a request replayed to another server, or the nodes reach each other through address "
                 f"translation (NAT, a proxy), which replication does not support"
+            )
+        if header.get("challenge") != challenge:  # sent in the clear: no secret to compare in constant time
+            raise AuthError(
+                "the request was signed for another connection (it carries another connection's challenge): "
+                "it is a request captured earlier and replayed, to this server or to one that has since "
+                "restarted"
             )
         now = self._clock_ms()
         if abs(now - ts) > self.window_ms:

@@ -25,11 +25,11 @@ How a file moves (one reliable-connected queue pair per transfer, set up inside 
   transfer goes over TCP. ``stat`` and ``ping`` always go over TCP.
 
 Security: the queue pair details, address and rkey travel only in HMAC-signed headers; a server registers
-nothing before the request's MAC, job, timestamp and nonce checked out and the names, size and space were
-accepted; each exposed region is the one file's mapping, with the one access right the transfer needs, in
-a protection domain shared with nothing but that transfer's queue pair, connected to the requester's queue
-pair only, and deregistered when the transfer ends (or the connection drops). The sender's own region is
-local-read only. Payload integrity: xxh3-64 end to end, as over TCP.
+nothing before the request's MAC, job, connection challenge, timestamp and nonce checked out and the
+names, size and space were accepted; each exposed region is the one file's mapping, with the one access
+right the transfer needs, in a protection domain shared with nothing but that transfer's queue pair,
+connected to the requester's queue pair only, and deregistered when the transfer ends (or the connection
+drops). The sender's own region is local-read only. Payload integrity: xxh3-64 end to end, as over TCP.
 
 What was verified, and how. This machine has no RDMA hardware and no pyverbs: here "auto" picks TCP and
 logs why, once. Everything else was run against a FAKE pyverbs module (a mock standing in for the device,

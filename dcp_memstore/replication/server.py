@@ -26,15 +26,17 @@ after the same checks (the request authenticated, names, size and space accepted
 registered; the exposed mapping is deregistered before a received file is hashed and renamed. Without one,
 both are refused with code ``rdma_unavailable`` (the peer then uses ``put``/``get``).
 
-A thread per connection (daemon, at most ``max_connections`` at once). A new connection must deliver its
-first request, authenticated, within ``auth_timeout_s`` of connecting (the whole frame, however slowly it
-trickles in), else it is closed; from then on a peer may stay silent for ``io_timeout_s``. Connections
-that have not authenticated yet never keep out one that may: when every slot is taken, the oldest of them
-is closed to make room for the newcomer, and one source address holds at most
-``MAX_UNAUTHENTICATED_PER_SOURCE`` of them (its oldest is closed for its newest), so idle or trickling
-sockets from whoever can reach the port cannot stop replication, and one host flooding it only pushes out
-its own. A newcomer is refused as busy only when every slot holds an authenticated connection. Any error
-reply closes the connection; a refused request has touched nothing.
+A thread per connection (daemon, at most ``max_connections`` at once). It opens with the hellos
+(``wire``: the server's carries the connection's fresh challenge, which binds every request on it, see
+``auth``). A new connection must deliver its hello and its first request, authenticated, within
+``auth_timeout_s`` of connecting (whole frames, however slowly they trickle in), else it is closed; from
+then on a peer may stay silent for ``io_timeout_s``. Connections that have not authenticated yet never
+keep out one that may: when every slot is taken, the oldest of them is closed to make room for the
+newcomer, and one source address holds at most ``MAX_UNAUTHENTICATED_PER_SOURCE`` of them (its oldest is
+closed for its newest), so idle or trickling sockets from whoever can reach the port cannot stop
+replication, and one host flooding it only pushes out its own. A newcomer is refused as busy only when
+every slot holds an authenticated connection. Any error reply closes the connection; a refused request
+has touched nothing.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from dcp_memstore.replication.auth import (
     AuthError,
     RequestVerifier,
     destination,
+    new_challenge,
     sign_reply,
 )
 from dcp_memstore.replication.rdma_verbs import VerbsError, buffer_address
@@ -124,9 +127,9 @@ class PeerServer:
     ``root`` is the store root (or its ``StoreLayout``); ``secret`` the job's replication secret
     (``auth.shared_secret``). ``rdma``: an ``rdma.RdmaEndpoint`` to serve ``rdma_put``/``rdma_get`` with
     (the server owns it from then on and closes it in ``close()``), or None (those ops are refused with
-    code ``rdma_unavailable``). ``auth_timeout_s``: how long a new connection has to deliver its first
-    authenticated request (``io_timeout_s`` if that is shorter). The server runs from construction until
-    ``close()``."""
+    code ``rdma_unavailable``). ``auth_timeout_s``: how long a new connection has to deliver its hello
+    and its first authenticated request (``io_timeout_s`` if that is shorter). The server runs from
+    construction until ``close()``."""
 
     def __init__(
         self,
@@ -283,26 +286,19 @@ class PeerServer:
         deadline: float | None = time.monotonic() + self.auth_timeout_s  # None once authenticated
         try:
             to = destination(conn.getsockname())  # this server's name in requests that came this way
+            challenge = new_challenge()  # this connection's: a request from any other is refused
+            wire.send_header(conn, wire.server_hello(challenge))
+            if self._receive(conn, peer, deadline, wire.validate_client_hello) is None:
+                return
+
+            def authentic(header: dict) -> None:
+                wire.validate_request(header)
+                self.verifier.verify(header, to, challenge)
+
             while not self._closing:
                 nonce = None
-                try:
-                    header = wire.recv_header(conn, eof_ok=True, deadline=deadline)
-                    if header is None:
-                        return
-                    op = wire.validate_request(header)
-                    self.verifier.verify(header, to)
-                except (wire.ProtocolError, AuthError) as e:
-                    code = "auth" if isinstance(e, AuthError) else "bad_request"
-                    log.warning("peer server of job %s: refused a request from %s: %s", self.job_id, peer, e)
-                    _refuse(conn, code, str(e))
-                    return
-                except TimeoutError:
-                    if deadline is None:
-                        raise
-                    log.warning(
-                        "peer server of job %s: closing the connection from %s: no authenticated request "
-                        "within %s s of connecting", self.job_id, peer, self.auth_timeout_s,
-                    )  # fmt: skip
+                header = self._receive(conn, peer, deadline, authentic)
+                if header is None:
                     return
                 if deadline is not None:
                     if not self._authenticated(conn):
@@ -310,6 +306,7 @@ class PeerServer:
                     deadline = None
                     conn.settimeout(self.io_timeout_s)
                 nonce = header["nonce"]
+                op = header["op"]
                 handler = {
                     "ping": self._op_ping,
                     "stat": self._op_stat,
@@ -339,6 +336,31 @@ class PeerServer:
         finally:
             self._forget(conn)
             conn.close()
+
+    def _receive(
+        self, conn: socket.socket, peer: tuple, deadline: float | None, check: Callable[[dict], object]
+    ) -> dict | None:
+        """The next frame on ``conn``, once ``check`` (which raises ProtocolError or AuthError) accepted it;
+        None when the connection is to end: the peer closed it, or the frame was refused (an unsigned error
+        reply was sent), or it did not arrive by ``deadline`` (the time to authenticate; None: none)."""
+        try:
+            header = wire.recv_header(conn, eof_ok=True, deadline=deadline)
+            if header is not None:
+                check(header)
+            return header
+        except (wire.ProtocolError, AuthError) as e:
+            code = "auth" if isinstance(e, AuthError) else "bad_request"
+            log.warning("peer server of job %s: refused a request from %s: %s", self.job_id, peer, e)
+            _refuse(conn, code, str(e))
+            return None
+        except TimeoutError:
+            if deadline is None:
+                raise
+            log.warning(
+                "peer server of job %s: closing the connection from %s: no authenticated request "
+                "within %s s of connecting", self.job_id, peer, self.auth_timeout_s,
+            )  # fmt: skip
+            return None
 
     def _reply(self, conn: socket.socket, nonce: bytes, fields: dict, index: int = 0) -> None:
         """Send the ``index``-th (signed) success reply to the request with ``nonce``."""

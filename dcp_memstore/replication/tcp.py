@@ -3,8 +3,10 @@
 One connection per call, so a failed call leaves nothing behind to go stale and calls from several threads
 run side by side on their own connections. Sent bytes are streamed from the file's mapping (the one the
 writer already has, through the process's mapping cache) and received bytes land straight in the
-destination file's mapping. Every request is signed, naming the server at the address its connection
-reached, and every reply's signature checked (``auth``). Nothing is retried here: the caller decides.
+destination file's mapping. A connection opens with the hellos (``wire``): the server's carries the
+connection's challenge. Every request is signed, naming the server at the address its connection reached
+and that challenge, and every reply's signature checked (``auth``). Nothing is retried here: the caller
+decides.
 
 Errors name the peer and what was being done: ConnectionError (unreachable, connection lost), TimeoutError
 (the peer stayed silent for ``timeout_s``), ReplicationError (the peer refused, or answered nonsense).
@@ -51,8 +53,10 @@ class _Call:
         self.transport, self.peer, self.what = transport, (peer[0], int(peer[1])), what
         self.sock: socket.socket | None = None
         self.to = ""  # the server's name in requests: its address as this connection reached it
+        self.challenge = b""  # the server's challenge on this connection, which every request carries
 
     def connect(self) -> None:
+        """Connect and exchange hellos: the server's says this connection's challenge."""
         try:
             self.sock = socket.create_connection(self.peer, timeout=self.transport.timeout_s)
             self.to = destination(self.sock.getpeername())
@@ -67,6 +71,14 @@ class _Call:
                 f"server running and reachable from this node?"
             ) from e
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.run(wire.send_header, wire.CLIENT_HELLO)
+        hello = self.run(wire.recv_header)
+        try:
+            if hello.get("ok") is False:  # refused in place of a hello (busy)
+                self._refused(wire.validate_reply(hello, "hello"))
+            self.challenge = wire.validate_server_hello(hello)
+        except wire.ProtocolError as e:
+            raise ReplicationError(self.peer, "protocol", f"sent a malformed hello ({self.what}): {e}") from e
 
     def run(self, fn, *args):
         try:
@@ -86,7 +98,8 @@ class _Call:
 
     def request(self, op: str, fields: dict) -> tuple[bytes, dict]:
         """Send a signed ``op`` request; return its nonce and the peer's (verified) reply."""
-        header = sign_request({"op": op, **fields}, self.transport.secret, self.transport.job_id, self.to)
+        t = self.transport
+        header = sign_request({"op": op, **fields}, t.secret, t.job_id, self.to, self.challenge)
         self.run(wire.send_header, header)
         return header["nonce"], self.reply(op, header["nonce"])
 
@@ -100,12 +113,7 @@ class _Call:
         except wire.ProtocolError as e:
             raise ReplicationError(self.peer, "protocol", f"sent a malformed reply ({self.what}): {e}") from e
         if not reply["ok"]:
-            hint = (
-                f" Do both nodes run job {self.transport.job_id!r} with the same replication secret?"
-                if reply["code"] == "auth"
-                else ""
-            )
-            raise ReplicationError(self.peer, reply["code"], f"refused {self.what}: {reply['error']}.{hint}")
+            self._refused(reply)
         try:
             verify_reply(reply, self.transport.secret, nonce, index)
         except AuthError as e:
@@ -113,6 +121,15 @@ class _Call:
                 self.peer, "auth", f"its reply failed authentication ({self.what}): {e}"
             ) from e
         return reply
+
+    def _refused(self, reply: dict) -> None:
+        """Raise the ReplicationError that the error reply ``reply`` (validated) stands for."""
+        hint = (
+            f" Do both nodes run job {self.transport.job_id!r} with the same replication secret?"
+            if reply["code"] == "auth"
+            else ""
+        )
+        raise ReplicationError(self.peer, reply["code"], f"refused {self.what}: {reply['error']}.{hint}")
 
     def close(self) -> None:
         if self.sock is not None:

@@ -10,7 +10,15 @@ A message that announces a payload (a ``put`` request, a ``get`` reply: field ``
 the bytes, not in the header, so each end hashes every chunk while it is still in cache from the socket copy
 (one pass over memory; a separate hashing pass before sending would cost a second one).
 
-Conversations (one or more per connection; every request is authenticated, see ``auth``)::
+A connection opens with a hello each way, sent at once, neither waiting for the other's: the client's
+``{"op": "hello"}`` (so a server of another release refuses the client's frame by its wire version, instead
+of waiting for a request it cannot read) and the server's ``{"op": "hello", "challenge": <16 random
+bytes>}``, fresh for each connection; every request on the connection carries that challenge under its MAC
+(``auth``), so no request is good on any other connection. A server that refuses the connection (``busy``)
+sends that error reply in place of its hello.
+
+Conversations (one or more per connection, after the hellos; every request is authenticated, see
+``auth``)::
 
     ping: request                                         -> reply
     stat: request {checkpoint, persist_to}                -> reply {own, committed, replicas, upload}
@@ -52,7 +60,7 @@ import msgpack
 import xxhash
 
 MAGIC = b"DCPM"
-VERSION = 2  # 2: requests name their server (field "to", see auth)
+VERSION = 3  # 2: requests name their server (field "to", see auth); 3: hellos, requests carry a challenge
 PREFIX = MAGIC + bytes([VERSION]) + b"\0\0\0"
 _FRAME = struct.Struct(">8sI")  # prefix, header length
 MAX_HEADER_BYTES = 64 << 10
@@ -150,6 +158,7 @@ AUTH_FIELDS: dict[str, Callable[[Any], bool]] = {
     "op": _str,
     "job": _str,
     "to": _str,
+    "challenge": _bytes,
     "ts": _uint,
     "nonce": _bytes,
     "mac": _bytes,
@@ -211,6 +220,34 @@ def _check_fields(header: Mapping, fields: Mapping[str, Callable[[Any], bool]], 
         if not check(header[k]):
             expected = _TYPE_NAMES.get(check, "a valid value")
             raise ProtocolError(f"{what} field {k!r} must be {expected}, got {type(header[k]).__name__}")
+
+
+_CLIENT_HELLO = {"op": _str}
+_SERVER_HELLO = {"op": _str, "challenge": _bytes}
+CLIENT_HELLO = {"op": "hello"}
+
+
+def server_hello(challenge: bytes) -> dict:
+    """The server's hello on a new connection: the ``challenge`` that its requests must carry."""
+    return {"op": "hello", "challenge": challenge}
+
+
+def _check_hello(header: Mapping, fields: Mapping[str, Callable[[Any], bool]], what: str) -> None:
+    if header.get("op") != "hello":
+        raise ProtocolError(f"the connection must open with the {what}, got op {header.get('op')!r}")
+    _check_fields(header, fields, what)
+
+
+def validate_client_hello(header: Mapping) -> None:
+    """Check the client's hello, the first frame a server receives on a connection. Raises ProtocolError."""
+    _check_hello(header, _CLIENT_HELLO, "client's hello")
+
+
+def validate_server_hello(header: Mapping) -> bytes:
+    """Check the server's hello, the first frame a client receives on a connection; return its challenge.
+    Raises ProtocolError."""
+    _check_hello(header, _SERVER_HELLO, "server's hello")
+    return header["challenge"]
 
 
 def validate_request(header: Mapping) -> str:

@@ -50,6 +50,7 @@ for name, call in attempts.items():
         out[name] = e.code
 s = socket.create_connection(peer, timeout=5)
 s.sendall(b"GET /../../etc/passwd HTTP/1.0\\r\\n\\r\\n")
+wire.validate_server_hello(wire.recv_header(s))  # sent as the connection opened
 out["garbage"] = wire.recv_header(s).get("code")
 print(json.dumps(out))
 """

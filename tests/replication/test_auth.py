@@ -13,19 +13,20 @@ from dcp_memstore.replication import auth
 
 SECRET = auth.new_secret()
 TO = "10.0.0.1:40001"  # the server the requests are for
+CHALLENGE = auth.new_challenge()  # the one that server sent on the requests' connection
 
 
 def _signed(**fields) -> dict:
-    return auth.sign_request({"op": "stat", "checkpoint": "step-1", **fields}, SECRET, "job", TO)
+    return auth.sign_request({"op": "stat", "checkpoint": "step-1", **fields}, SECRET, "job", TO, CHALLENGE)
 
 
 def test_signed_request_verifies_once():
     v = auth.RequestVerifier(SECRET, "job")
     h = _signed()
-    assert set(h) == {"op", "checkpoint", "job", "to", "ts", "nonce", "mac"}
-    v.verify(h, TO)
+    assert set(h) == {"op", "checkpoint", "job", "to", "challenge", "ts", "nonce", "mac"}
+    v.verify(h, TO, CHALLENGE)
     with pytest.raises(auth.AuthError, match="replays"):
-        v.verify(h, TO)
+        v.verify(h, TO, CHALLENGE)
 
 
 def test_every_field_is_covered_by_the_mac():
@@ -36,43 +37,54 @@ def test_every_field_is_covered_by_the_mac():
         ("op", "ping"),
         ("job", "job2"),
         ("to", "10.0.0.2:40001"),
+        ("challenge", auth.new_challenge()),
         ("ts", h["ts"] + 1),
     ]:
         with pytest.raises(auth.AuthError, match="MAC is wrong"):
-            v.verify({**h, key: other}, TO)
+            v.verify({**h, key: other}, TO, CHALLENGE)
     with pytest.raises(auth.AuthError, match="MAC is wrong"):
-        v.verify({**h, "nonce": b"x" * 16}, TO)
+        v.verify({**h, "nonce": b"x" * 16}, TO, CHALLENGE)
     with pytest.raises(auth.AuthError, match="MAC is wrong"):
-        v.verify({**h, "extra": 1}, TO)
+        v.verify({**h, "extra": 1}, TO, CHALLENGE)
 
 
 def test_wrong_secret_and_missing_fields():
     v = auth.RequestVerifier(SECRET, "job")
     with pytest.raises(auth.AuthError, match="does not hold this job's replication secret"):
-        v.verify(auth.sign_request({"op": "ping"}, auth.new_secret(), "job", TO), TO)
+        v.verify(auth.sign_request({"op": "ping"}, auth.new_secret(), "job", TO, CHALLENGE), TO, CHALLENGE)
     h = _signed()
     with pytest.raises(auth.AuthError, match="no valid MAC"):
-        v.verify({k: x for k, x in h.items() if k != "mac"}, TO)
+        v.verify({k: x for k, x in h.items() if k != "mac"}, TO, CHALLENGE)
     with pytest.raises(auth.AuthError, match="no valid MAC"):
-        v.verify({**h, "mac": h["mac"][:16]}, TO)
+        v.verify({**h, "mac": h["mac"][:16]}, TO, CHALLENGE)
     with pytest.raises(auth.AuthError, match="no valid nonce"):
-        v.verify({k: x for k, x in h.items() if k != "nonce"}, TO)
+        v.verify({k: x for k, x in h.items() if k != "nonce"}, TO, CHALLENGE)
     with pytest.raises(auth.AuthError, match="no timestamp"):
-        v.verify({k: x for k, x in h.items() if k != "ts"}, TO)
+        v.verify({k: x for k, x in h.items() if k != "ts"}, TO, CHALLENGE)
 
 
 def test_same_secret_other_job_refused():
     v = auth.RequestVerifier(SECRET, "job")
     with pytest.raises(auth.AuthError, match="for job 'other'"):
-        v.verify(auth.sign_request({"op": "ping"}, SECRET, "other", TO), TO)
+        v.verify(auth.sign_request({"op": "ping"}, SECRET, "other", TO, CHALLENGE), TO, CHALLENGE)
 
 
 def test_a_request_for_another_server_is_refused():
     h = _signed()
     v = auth.RequestVerifier(SECRET, "job")
     with pytest.raises(auth.AuthError, match="for the replication server at 10.0.0.1:40001; this is the one"):
-        v.verify(h, "10.0.0.1:40002")
-    v.verify(h, TO)  # refused before its nonce was remembered: its own server still takes it
+        v.verify(h, "10.0.0.1:40002", CHALLENGE)
+    v.verify(h, TO, CHALLENGE)  # refused before its nonce was remembered: its own server still takes it
+
+
+def test_a_request_for_another_connection_is_refused():
+    """A request carrying another connection's challenge (a capture replayed on a new connection, to the
+    same server or to one restarted on its address, whose nonce memory is empty) is refused."""
+    h = _signed()
+    v = auth.RequestVerifier(SECRET, "job")
+    with pytest.raises(auth.AuthError, match="signed for another connection"):
+        v.verify(h, TO, auth.new_challenge())
+    v.verify(h, TO, CHALLENGE)  # refused before its nonce was remembered: its own connection still takes it
 
 
 @pytest.mark.parametrize(
@@ -93,12 +105,14 @@ def test_timestamp_outside_window_refused(skew_s):
     h = _signed()
     v = auth.RequestVerifier(SECRET, "job", window_s=300, clock_ms=lambda: h["ts"] - skew_s * 1000)
     with pytest.raises(auth.AuthError, match="off this node's clock"):
-        v.verify(h, TO)
+        v.verify(h, TO, CHALLENGE)
 
 
 def test_timestamp_inside_window_accepted():
     h = _signed()
-    auth.RequestVerifier(SECRET, "job", window_s=300, clock_ms=lambda: h["ts"] + 299_000).verify(h, TO)
+    auth.RequestVerifier(SECRET, "job", window_s=300, clock_ms=lambda: h["ts"] + 299_000).verify(
+        h, TO, CHALLENGE
+    )
 
 
 def test_nonce_memory_is_bounded_and_expires(monkeypatch):
@@ -107,15 +121,15 @@ def test_nonce_memory_is_bounded_and_expires(monkeypatch):
     v = auth.RequestVerifier(SECRET, "job", window_s=10, max_nonces=4, clock_ms=lambda: now[0])
     for _ in range(6):
         now[0] += 1
-        v.verify(_signed(), TO)
+        v.verify(_signed(), TO, CHALLENGE)
     assert len(v._seen) == 4  # the two oldest were forgotten to stay within max_nonces
     now[0] += 11_000  # past the window: the remembered nonces are dropped, their requests are stale anyway
     late = _signed()
-    v.verify(late, TO)
+    v.verify(late, TO, CHALLENGE)
     assert len(v._seen) == 1
     now[0] += 11_000
     with pytest.raises(auth.AuthError, match="off this node's clock"):
-        v.verify(late, TO)
+        v.verify(late, TO, CHALLENGE)
 
 
 def test_a_replay_inside_the_window_is_refused_after_a_flood_of_fresh_requests(monkeypatch):
@@ -125,20 +139,20 @@ def test_a_replay_inside_the_window_is_refused_after_a_flood_of_fresh_requests(m
     monkeypatch.setattr(auth, "_now_ms", lambda: now[0])
     v = auth.RequestVerifier(SECRET, "job", window_s=300, max_nonces=8, clock_ms=lambda: now[0])
     captured = _signed()
-    v.verify(captured, TO)
+    v.verify(captured, TO, CHALLENGE)
     behind = []  # requests of a node whose clock is 2 ms behind, arriving among the others
     for _ in range(20):
         now[0] += 3
-        v.verify(_signed(), TO)
+        v.verify(_signed(), TO, CHALLENGE)
         now[0] -= 2
         behind.append(_signed())
         now[0] += 2
-        v.verify(behind[-1], TO)
+        v.verify(behind[-1], TO, CHALLENGE)
     assert len(v._seen) == 8
     for replay in (captured, behind[0], behind[-1]):
         with pytest.raises(auth.AuthError, match="replay"):
-            v.verify(replay, TO)
-    v.verify(_signed(), TO)  # a fresh request still passes
+            v.verify(replay, TO, CHALLENGE)
+    v.verify(_signed(), TO, CHALLENGE)  # a fresh request still passes
 
 
 def test_canonical_encoding_ignores_key_order_and_mac():
@@ -163,7 +177,7 @@ def test_reply_signature():
 
 def test_request_mac_never_passes_as_reply_mac():
     """Domain separation: a signed request replayed back to its sender is not a valid reply."""
-    h = auth.sign_request({"op": "ping"}, SECRET, "job", TO)
+    h = auth.sign_request({"op": "ping"}, SECRET, "job", TO, CHALLENGE)
     fake = {**h, "re": h["nonce"]}
     with pytest.raises(auth.AuthError):
         auth.verify_reply(fake, SECRET, h["nonce"])

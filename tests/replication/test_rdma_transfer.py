@@ -22,17 +22,19 @@ from pathlib import Path
 import pytest
 
 from dcp_memstore.replication import PeerServer, ReplicationError, TcpTransport, tcp, wire
-from dcp_memstore.replication.auth import destination, new_secret, sign_request
+from dcp_memstore.replication.auth import new_secret
 from dcp_memstore.replication.rdma import RdmaEndpoint, RdmaTransport
 from dcp_memstore.replication.rdma_verbs import SEND_WINDOW
 from dcp_memstore.store.layout import COMMITTED, StoreLayout, shard_name
 from tests.replication.fake_pyverbs import E, Fabric, install
 from tests.replication.transfer_helpers import (
     JOB,
+    RawClient,
     check_concurrent_puts,
     check_put_then_get,
     files_under,
     make_file,
+    raw_connect,
 )
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -405,13 +407,14 @@ def qp_fields(**over) -> dict:
     return {**qp, **over}
 
 
-def rdma_put_header(server: PeerServer, secret: bytes, size: int = PIECE, **over) -> dict:
+def rdma_put_header(s: RawClient, secret: bytes, size: int = PIECE, **over) -> dict:
+    """An rdma_put request on connection ``s``, signed with ``secret``."""
     fields = {"source": "node0", "checkpoint": "s", "file": "f", "size": size, "qp": qp_fields(), **over}
-    return sign_request({"op": "rdma_put", **fields}, secret, JOB, destination(server.address))
+    return s.signed(secret, "rdma_put", **fields)
 
 
-def refused(server: PeerServer, header: dict, code: str) -> dict:
-    s = socket.create_connection(server.address, timeout=10)
+def refused(s: socket.socket, header: dict, code: str) -> dict:
+    """Send ``header`` on ``s``; check that it is refused with ``code`` and the connection closed."""
     wire.send_header(s, header)
     reply = wire.recv_header(s)
     assert reply is not None and reply["ok"] is False and reply["code"] == code, reply
@@ -435,18 +438,21 @@ def refused(server: PeerServer, header: dict, code: str) -> dict:
     ],
 )
 def test_bad_rdma_requests_refused_before_any_registration(fabric, server, secret, peer_root, over, code):
-    refused(server, rdma_put_header(server, secret, **over), code)
+    s = raw_connect(server.address)
+    refused(s, rdma_put_header(s, secret, **over), code)
     assert fabric.registrations == [] and fabric.qps_created == 0
     assert no_replicas(peer_root)
 
 
 def test_unauthenticated_and_replayed_rdma_requests_refused(fabric, server, secret, peer_root):
-    refused(server, rdma_put_header(server, new_secret()), "auth")
-    get = {"op": "rdma_get", "checkpoint": "s", "file": "f", "source": None, "qp": qp_fields()}
-    refused(server, sign_request(get, new_secret(), JOB, destination(server.address)), "auth")
+    s = raw_connect(server.address)
+    refused(s, rdma_put_header(s, new_secret()), "auth")
+    s = raw_connect(server.address)
+    get = {"checkpoint": "s", "file": "f", "source": None, "qp": qp_fields()}
+    refused(s, s.signed(new_secret(), "rdma_get", **get), "auth")
     assert fabric.registrations == [] and fabric.qps_created == 0
-    h = rdma_put_header(server, secret)
-    s = socket.create_connection(server.address, timeout=10)
+    s = raw_connect(server.address)
+    h = rdma_put_header(s, secret)
     wire.send_header(s, h)
     reply = wire.recv_header(s)  # authenticated: the go-ahead, with the file exposed
     assert reply["ok"] is True and reply["qp"]["qp_num"] > 0
@@ -454,7 +460,7 @@ def test_unauthenticated_and_replayed_rdma_requests_refused(fabric, server, secr
     s.close()  # the sender goes away without writing: the server deregisters and drops the file
     wait_for(lambda: not fabric.live_of(fabric.classes.MR) and not fabric.live_of(fabric.classes.QP))
     wait_for(lambda: files_under(peer_root / JOB / "replicas") == [])
-    refused(server, h, "auth")  # the same request again: a replay
+    refused(raw_connect(server.address), h, "auth")  # the same request again: a replay
     assert len(fabric.registrations) == 1
 
 

@@ -27,7 +27,8 @@ def pair():
 
 
 def _request(op: str = "put", **fields) -> dict:
-    base = {"op": op, "job": "job", "to": "127.0.0.1:1", "ts": 1, "nonce": b"n" * 16, "mac": b"m" * 32}
+    base = {"op": op, "job": "job", "to": "127.0.0.1:1", "challenge": b"c" * 16, "ts": 1}
+    base.update(nonce=b"n" * 16, mac=b"m" * 32)
     args = {
         "ping": {},
         "stat": {"checkpoint": "step-1", "persist_to": None},
@@ -47,7 +48,7 @@ def test_header_round_trip(pair):
 def test_frame_layout_is_magic_version_reserved_length_msgpack():
     frame = wire.pack_frame({"op": "end", "checksum": 7})
     body = msgpack.packb({"op": "end", "checksum": 7}, use_bin_type=True)
-    assert frame == b"DCPM\x02\x00\x00\x00" + struct.pack(">I", len(body)) + body
+    assert frame == b"DCPM\x03\x00\x00\x00" + struct.pack(">I", len(body)) + body
 
 
 def test_clean_eof_between_frames(pair):
@@ -71,14 +72,14 @@ def test_eof_mid_frame_is_a_connection_error(pair):
     [
         (b"HTTP/1.1 200 OK\r\n\r\n", "magic"),
         (b"DCPM\x01\x00\x00\x00" + struct.pack(">I", 1) + b"\x80", "version 1 is not supported .* same"),
-        (b"DCPM\x03\x00\x00\x00" + struct.pack(">I", 1) + b"\x80", "version 3 is not supported"),
-        (b"DCPM\x02\x00\x01\x00" + struct.pack(">I", 1) + b"\x80", "reserved"),
-        (b"DCPM\x02\x00\x00\x00" + struct.pack(">I", 0), "header length 0"),
-        (b"DCPM\x02\x00\x00\x00" + struct.pack(">I", wire.MAX_HEADER_BYTES + 1), "header length"),
-        (b"DCPM\x02\x00\x00\x00" + struct.pack(">I", 1) + b"\xc1", "not valid msgpack"),  # 0xc1: never used
-        (b"DCPM\x02\x00\x00\x00" + struct.pack(">I", 2) + b"\x80\x80", "not valid msgpack"),  # trailing data
-        (b"DCPM\x02\x00\x00\x00" + struct.pack(">I", 1) + b"\x90", "must be a msgpack map"),
-        (b"DCPM\x02\x00\x00\x00" + struct.pack(">I", 3) + b"\x81\x01\x02", "not valid msgpack"),  # int key
+        (b"DCPM\x02\x00\x00\x00" + struct.pack(">I", 1) + b"\x80", "version 2 is not supported"),
+        (b"DCPM\x03\x00\x01\x00" + struct.pack(">I", 1) + b"\x80", "reserved"),
+        (b"DCPM\x03\x00\x00\x00" + struct.pack(">I", 0), "header length 0"),
+        (b"DCPM\x03\x00\x00\x00" + struct.pack(">I", wire.MAX_HEADER_BYTES + 1), "header length"),
+        (b"DCPM\x03\x00\x00\x00" + struct.pack(">I", 1) + b"\xc1", "not valid msgpack"),  # 0xc1: never used
+        (b"DCPM\x03\x00\x00\x00" + struct.pack(">I", 2) + b"\x80\x80", "not valid msgpack"),  # trailing data
+        (b"DCPM\x03\x00\x00\x00" + struct.pack(">I", 1) + b"\x90", "must be a msgpack map"),
+        (b"DCPM\x03\x00\x00\x00" + struct.pack(">I", 3) + b"\x81\x01\x02", "not valid msgpack"),  # int key
     ],
 )
 def test_malformed_frames_refused(pair, raw, match):
@@ -116,7 +117,7 @@ def test_a_header_trickling_in_past_its_deadline_is_a_timeout(pair):
 def test_oversized_header_refused_from_its_length_alone(pair):
     """The limit is checked before the body is read: a peer cannot make us buffer a huge header."""
     a, b = pair
-    a.sendall(b"DCPM\x02\x00\x00\x00" + struct.pack(">I", 1 << 31))  # announces 2 GiB, sends nothing more
+    a.sendall(b"DCPM\x03\x00\x00\x00" + struct.pack(">I", 1 << 31))  # announces 2 GiB, sends nothing more
     with pytest.raises(wire.ProtocolError, match="header length"):
         wire.recv_header(b)
 
@@ -124,7 +125,7 @@ def test_oversized_header_refused_from_its_length_alone(pair):
 def test_deeply_nested_header_refused(pair):
     a, b = pair
     body = b"\x91" * 10_000 + b"\x80"
-    a.sendall(b"DCPM\x02\x00\x00\x00" + struct.pack(">I", len(body)) + body)
+    a.sendall(b"DCPM\x03\x00\x00\x00" + struct.pack(">I", len(body)) + body)
     with pytest.raises(wire.ProtocolError):
         wire.recv_header(b)
 
@@ -147,6 +148,8 @@ def test_valid_requests_pass(op):
         ({**_request(), "op": 3}, "unknown op"),
         ({k: v for k, v in _request().items() if k != "mac"}, "missing \\['mac'\\]"),
         ({k: v for k, v in _request().items() if k != "to"}, "missing \\['to'\\]"),
+        ({k: v for k, v in _request().items() if k != "challenge"}, "missing \\['challenge'\\]"),
+        (_request(challenge="c" * 16), "'challenge' must be bytes"),
         ({k: v for k, v in _request().items() if k != "size"}, "missing \\['size'\\]"),
         (_request(extra=1), "unexpected"),
         (_request(size=True), "'size' must be an unsigned 64-bit int"),
@@ -166,6 +169,26 @@ def test_valid_requests_pass(op):
 def test_invalid_requests_refused(header, match):
     with pytest.raises(wire.ProtocolError, match=match):
         wire.validate_request(header)
+
+
+def test_hello_validation():
+    """A connection opens with the client's hello and the server's (its challenge): anything else in
+    their place is refused."""
+    wire.validate_client_hello(wire.CLIENT_HELLO)
+    assert wire.validate_server_hello(wire.server_hello(b"c" * 16)) == b"c" * 16
+    for bad, match in [
+        (_request("ping"), "must open with the client's hello, got op 'ping'"),
+        ({"op": "hello", "challenge": b"c"}, "unexpected"),
+    ]:
+        with pytest.raises(wire.ProtocolError, match=match):
+            wire.validate_client_hello(bad)
+    for bad, match in [
+        ({"ok": True, "re": b"", "mac": b""}, "must open with the server's hello, got op None"),
+        ({"op": "hello"}, "missing \\['challenge'\\]"),
+        ({"op": "hello", "challenge": "c"}, "'challenge' must be bytes"),
+    ]:
+        with pytest.raises(wire.ProtocolError, match=match):
+            wire.validate_server_hello(bad)
 
 
 def test_reply_validation():

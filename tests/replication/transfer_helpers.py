@@ -1,18 +1,44 @@
-"""What the transport tests (TCP and RDMA) share: the job name, making and listing files, the round trip
-of one file (put as a replica, got back), and the check that many files pushed at once from several
-threads arrive intact with no temporaries left."""
+"""What the transport tests (TCP and RDMA) share: the job name, a raw client connection to a server, making
+and listing files, the round trip of one file (put as a replica, got back), and the check that many files
+pushed at once from several threads arrive intact with no temporaries left."""
 
 from __future__ import annotations
 
 import os
+import socket
 import threading
 from pathlib import Path
 
+from dcp_memstore.replication import wire
+from dcp_memstore.replication.auth import destination, sign_request
 from dcp_memstore.replication.transport import Transport
 from dcp_memstore.store.layout import StoreLayout, shard_name
 
 JOB = "job"
 NODES = ("node0", "node1")
+
+
+class RawClient(socket.socket):
+    """A connection to a ``PeerServer`` for what ``TcpTransport`` would never send (see ``raw_connect``);
+    ``signed`` makes requests for it."""
+
+    challenge: bytes  # the server's, from its hello
+
+    def signed(self, secret: bytes, op: str, job: str = JOB, **fields: object) -> dict:
+        """A request of job ``job`` for this connection's server and challenge, signed with ``secret``."""
+        to = destination(self.getpeername())
+        return sign_request({"op": op, **fields}, secret, job, to, self.challenge)
+
+
+def raw_connect(address: tuple, hello: bool = True) -> RawClient:
+    """A connection to the server at ``address`` that has sent its hello (unless ``hello`` is False) and
+    read the server's."""
+    client = RawClient(fileno=socket.create_connection(address, timeout=10).detach())
+    client.settimeout(10)
+    if hello:
+        wire.send_header(client, wire.CLIENT_HELLO)
+    client.challenge = wire.validate_server_hello(wire.recv_header(client))
+    return client
 
 
 def make_file(layout: StoreLayout, checkpoint: str, name: str, data: bytes) -> Path:
