@@ -19,6 +19,12 @@ CHUNK_BYTES = 32 << 20
 ENV_NO_REGISTER = "DCP_MEMSTORE_NO_HOST_REGISTER"
 
 
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached, with its conjugate and negative bits resolved (a new tensor, made on the current
+    stream, only where one is set): a tensor whose bytes are its values."""
+    return t.detach().resolve_conj().resolve_neg()
+
+
 class DeviceToHost:
     """Copies GPU tensors into host views of mapped files; holds its side streams and bounce buffers."""
 
@@ -51,7 +57,11 @@ class DeviceToHost:
                 with torch.cuda.stream(stream):
                     for src, dst, mf in group:
                         if not force_bounce and mf.pin_for_cuda(device):
-                            dst.copy_(src.detach(), non_blocking=True)
+                            # conj/neg bits resolved on the GPU: copy_ resolves them on the host tensor
+                            # right after it queues the DMA, before the bytes have landed
+                            plain = _plain(src)
+                            keep_alive.append(plain)
+                            dst.copy_(plain, non_blocking=True)
                         else:
                             bounced.append((src, dst))
                 if bounced:
@@ -74,7 +84,7 @@ class DeviceToHost:
         for src, dst in pairs:
             # A contiguous copy, if one is needed, is made on the stream that reads it.
             with torch.cuda.stream(stream):
-                s = src.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+                s = _plain(src).contiguous().reshape(-1).view(torch.uint8)
             sources.append(s)
             d = dst.reshape(-1).view(torch.uint8)
             for off in range(0, s.numel(), self.chunk_bytes):

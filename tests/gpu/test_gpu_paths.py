@@ -94,6 +94,24 @@ def test_bounce_buffer_path_when_registration_is_refused(store, monkeypatch):
         assert torch.equal(out[k], sd[k])
 
 
+def test_conjugate_and_negative_views_stage_through_the_pinned_mapping_as_their_values(store):
+    """Views whose values are the conjugate or the negation of their bytes (contiguous or not) are staged
+    into the registered mapping as their values, also while the GPU is still busy when async_save is
+    called (the DMA then lands well after the call that queued it returned)."""
+    z = torch.randn(4 << 20, dtype=torch.complex64, device="cuda")  # 32 MiB
+    sd = {"conj": z.conj(), "neg": z.conj().imag, "strided_conj": z.view(2048, 2048)[:, ::2].conj()}
+    assert sd["conj"].is_conj() and sd["neg"].is_neg() and sd["strided_conj"].is_conj()
+    torch.cuda._sleep(1_000_000_000)  # about half a second of GPU time on the current stream
+    fut = dcp.async_save(sd, checkpoint_id="cn", storage_writer=MemoryStorageWriter(store), no_dist=True)
+    fut.result()
+    d = store.require_checkpoint("cn")
+    assert all(MAPPINGS.map_path(p).host_registered for p in d.glob("*.shard"))
+    out = {k: torch.zeros(v.shape, dtype=v.dtype, device="cuda") for k, v in sd.items()}
+    dcp.load(out, checkpoint_id="cn", storage_reader=MemoryStorageReader(store), no_dist=True)
+    for k in sd:
+        assert torch.equal(out[k], sd[k]), k
+
+
 def test_async_save_waits_for_gpu_work_queued_before_it(store):
     """The side stream starts after what the trainer queued: a fill still behind a long kernel is saved."""
     x = torch.zeros(64 << 20, device="cuda")  # 256 MiB
