@@ -88,7 +88,7 @@ def test_bounce_buffer_path_when_registration_is_refused(store, monkeypatch):
         "conj": torch.randn(333, dtype=torch.complex64, device="cuda").conj(),  # a view with the conj bit
     }
     dcp.async_save(sd, checkpoint_id="d", storage_writer=MemoryStorageWriter(store), no_dist=True).result()
-    out = {k: torch.zeros(v.shape, device="cuda") for k, v in sd.items()}
+    out = {k: torch.zeros(v.shape, dtype=v.dtype, device="cuda") for k, v in sd.items()}
     dcp.load(out, checkpoint_id="d", storage_reader=MemoryStorageReader(store), no_dist=True)
     for k in sd:
         assert torch.equal(out[k], sd[k])
