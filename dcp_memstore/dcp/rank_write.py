@@ -29,6 +29,7 @@ from dcp_memstore.store.checksum import (
     copy_with_checksum,
     write_with_checksum,
 )
+from dcp_memstore.store.device_copy import finish_queued_work
 from dcp_memstore.store.faults import crash_point
 from dcp_memstore.store.layout import objects_name, shard_name
 from dcp_memstore.store.manifest import ShardLocation, dtype_name, manifest_bytes_estimate
@@ -115,6 +116,7 @@ class RankWrite:
         ]
         claims = FilePool(self.store.layout, self.rank).claims([size for _, size, _ in copy_files])
         jobs += [functools.partial(self._copy_into, claims, b, f) for b, f in enumerate(copy_files)]
+        finish_queued_work(t for _, t in to_copy)  # GPU tensors are copied by other threads
         for part in run_parallel(lambda job: job(), jobs, self.store.io_threads):
             self.results.extend(part)
         if stager is not None:

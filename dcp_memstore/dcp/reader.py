@@ -45,6 +45,7 @@ from dcp_memstore.store.checksum import (
     read_with_checksum,
 )
 from dcp_memstore.store.collective import other_ranks_wait
+from dcp_memstore.store.device_copy import finish_queued_work
 from dcp_memstore.store.ids import is_valid_name, validate_name
 from dcp_memstore.store.layout import MANIFEST
 from dcp_memstore.store.manifest import Manifest, ShardLocation, dtype_from_name, dtype_name, item_name
@@ -216,6 +217,7 @@ class MemoryStorageReader(StorageReader):
         in_order = [r for r, s in zip(reads, shared, strict=True) if s]
         if in_order:
             tasks.insert(0, [list(run) for _, run in itertools.groupby(in_order, key=lambda r: r.loc.file)])
+        finish_queued_work(r.dst for r in reads if r.dst is not None)  # GPU destinations: see there
         run_parallel(self._read_runs, tasks, self.store.io_threads)
         for r in reads:
             if r.dst is None:

@@ -5,11 +5,15 @@ non-blocking copy on a side stream, DMA straight into tmpfs pages. Fallback, whe
 register the mapping (or ``DCP_MEMSTORE_NO_HOST_REGISTER=1`` forces it, for tests): chunks go through two
 pinned bounce buffers, reused across checkpoints, so the DMA of one chunk overlaps the memcpy of the
 previous one into the mapping. Either way ``copy`` returns once every byte is on the host.
+
+``finish_queued_work`` orders the blocking copies that I/O threads make of GPU tensors (a synchronous
+save's, a load's) after the work the caller queued on them.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 import torch
 
@@ -17,6 +21,16 @@ from dcp_memstore.store.mapping import MappedFile, cuda_index
 
 CHUNK_BYTES = 32 << 20
 ENV_NO_REGISTER = "DCP_MEMSTORE_NO_HOST_REGISTER"
+
+
+def finish_queued_work(tensors: Iterable[torch.Tensor]) -> None:
+    """Block until the work this thread has queued on each GPU of ``tensors`` (on its current stream there)
+    is done, before other threads copy from or into them: their copies run on their own current stream, the
+    GPU's default stream, which is not ordered after a stream the caller made current (torch's streams do
+    not synchronize with the default stream), so they would read values not computed yet, or be overwritten
+    by work queued before them. A no-op for tensors not on a GPU."""
+    for device in {cuda_index(t.device) for t in tensors if t.device.type == "cuda"}:
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:

@@ -112,6 +112,61 @@ def test_conjugate_and_negative_views_stage_through_the_pinned_mapping_as_their_
         assert torch.equal(out[k], sd[k]), k
 
 
+@pytest.fixture
+def two_file_store(shm_dir):
+    """A store whose saves write two shard files per rank, copied by two I/O threads (not the caller)."""
+    s = MemStore(root=shm_dir, job_id="gpu", io_threads=2)
+    yield s
+    s.close()
+
+
+def test_sync_save_waits_for_work_queued_on_the_callers_stream(two_file_store):
+    """dcp.save of tensors the trainer computes on a stream of its own (made current) saves the values that
+    work computes, though the I/O threads that copy them to the host run on other streams."""
+    x, y = torch.zeros(64 << 20, device="cuda"), torch.zeros(64 << 20, device="cuda")  # 256 MiB each
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(2_000_000_000)  # about a second of GPU time on the trainer's stream
+        x.fill_(3.0)
+        y.fill_(4.0)
+        dcp.save(
+            {"x": x, "y": y},
+            checkpoint_id="ss",
+            storage_writer=MemoryStorageWriter(two_file_store),
+            no_dist=True,
+        )
+    assert len(list(two_file_store.require_checkpoint("ss").glob("*.shard"))) == 2
+    out = {"x": torch.zeros_like(x), "y": torch.zeros_like(y)}
+    dcp.load(out, checkpoint_id="ss", storage_reader=MemoryStorageReader(two_file_store), no_dist=True)
+    assert torch.equal(out["x"], torch.full_like(x, 3.0))
+    assert torch.equal(out["y"], torch.full_like(y, 4.0))
+
+
+def test_load_waits_for_work_queued_on_the_callers_stream(two_file_store):
+    """dcp.load into tensors that work queued on the trainer's own stream still writes leaves the loaded
+    values in them: the I/O threads' copies into them start after that work, not before it."""
+    x, y = torch.full((64 << 20,), 3.0, device="cuda"), torch.full((64 << 20,), 4.0, device="cuda")
+    dcp.save(
+        {"x": x, "y": y}, checkpoint_id="sl", storage_writer=MemoryStorageWriter(two_file_store), no_dist=True
+    )
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(2_000_000_000)  # an optimizer step, say, still running
+        x.fill_(9.0)
+        y.fill_(9.0)
+        dcp.load(
+            {"x": x, "y": y},
+            checkpoint_id="sl",
+            storage_reader=MemoryStorageReader(two_file_store),
+            no_dist=True,
+        )
+    torch.cuda.synchronize()
+    assert torch.equal(x, torch.full_like(x, 3.0))
+    assert torch.equal(y, torch.full_like(y, 4.0))
+
+
 def test_async_save_waits_for_gpu_work_queued_before_it(store):
     """The side stream starts after what the trainer queued: a fill still behind a long kernel is saved."""
     x = torch.zeros(64 << 20, device="cuda")  # 256 MiB
