@@ -127,7 +127,7 @@ def test_sync_save_waits_for_work_queued_on_the_callers_stream(two_file_store):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        torch.cuda._sleep(2_000_000_000)  # about a second of GPU time on the trainer's stream
+        torch.cuda._sleep(4_000_000_000)  # about two seconds of GPU time: longer than the save takes
         x.fill_(3.0)
         y.fill_(4.0)
         dcp.save(
@@ -153,7 +153,7 @@ def test_load_waits_for_work_queued_on_the_callers_stream(two_file_store):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        torch.cuda._sleep(2_000_000_000)  # an optimizer step, say, still running
+        torch.cuda._sleep(4_000_000_000)  # an optimizer step, say, still running: longer than the load
         x.fill_(9.0)
         y.fill_(9.0)
         dcp.load(
