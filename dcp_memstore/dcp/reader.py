@@ -314,7 +314,7 @@ class MemoryStorageReader(StorageReader):
             try:
                 for r in reads:
                     if r.dst is None:
-                        r.data = os.pread(fd, r.loc.length, r.loc.offset)
+                        r.data = _pread_all(fd, r.loc.length, r.loc.offset)
                         actual = checksum_bytes(r.data) if len(r.data) == r.loc.length else None
                     else:
                         actual = read_with_checksum(fd, r.loc.offset, r.dst)
@@ -442,6 +442,19 @@ def _item_name(index: MetadataIndex) -> str:
 def _truncated(path: Path | str, r: _Read, size: int) -> TruncatedShardError:
     """The error for read ``r`` from ``path``, a file of ``size`` bytes that ends before its item does."""
     return TruncatedShardError(str(path), _item_name(r.req.storage_index), size, r.loc.offset + r.loc.length)
+
+
+def _pread_all(fd: int, nbytes: int, offset: int) -> bytes:
+    """``nbytes`` bytes of ``fd`` from ``offset``, fewer only if the file ends first. One read returns at
+    most 2 GiB - 4 KiB on Linux, so a longer value (a big pickled object) takes several."""
+    pieces, got = [], 0
+    while got < nbytes:
+        more = os.pread(fd, nbytes - got, offset + got)
+        if not more:
+            break
+        pieces.append(more)
+        got += len(more)
+    return b"".join(pieces)
 
 
 def _check_size(path: Path, size: int, reads: list[_Read]) -> None:
