@@ -110,6 +110,12 @@ def node_files(layout: StoreLayout, checkpoint_id: str) -> dict[str, int]:
     return out
 
 
+def same_save(layout: StoreLayout, rec: catalog.CommitRecord) -> bool:
+    """Whether checkpoint ``rec.checkpoint_id`` is still committed by the save ``rec`` records: not
+    deleted, nor saved again under its id (which may even take the same sequence number)."""
+    return catalog.read_commit(layout, rec.checkpoint_id) == rec
+
+
 class Replicator:
     """Sends this node's files of every committed checkpoint that owes replicas (see module docstring).
 
@@ -148,15 +154,20 @@ class Replicator:
                 if self._stop.is_set():
                     break
                 try:
-                    self._replicate(peers, rec.checkpoint_id)
+                    self._replicate(peers, rec)
                 except Exception:  # noqa: BLE001 - e.g. deleted under us; the thread must go on
                     log.exception("replicator: checkpoint %r", rec.checkpoint_id)
             self._wake.wait(POLL_S)
             self._wake.clear()
 
-    def _replicate(self, peers: Peers, cid: str) -> None:
+    def _replicate(self, peers: Peers, rec: catalog.CommitRecord) -> None:
+        """Send what this process owes of save ``rec`` and record what its targets acknowledged. Records
+        live in the checkpoint's directory, by id: once the checkpoint is deleted (and perhaps saved again
+        under its id) during a transfer, the bytes sent may be the old save's, or a file its pool gave to a
+        new save, so nothing more is recorded; the next pass sends the new save's files."""
+        cid = rec.checkpoint_id
         records = ReplicaRecords(self.layout, cid)
-        if not records.owed():
+        if not records.owed() or not same_save(self.layout, rec):
             return
         files = node_files(self.layout, cid)
         targets = peers.targets()
@@ -173,8 +184,12 @@ class Replicator:
                 except FileNotFoundError:
                     return  # evicted or deleted meanwhile
                 except Exception as e:  # noqa: BLE001 - any failure: this peer is retried later
+                    if not same_save(self.layout, rec):
+                        return
                     self._failed(records, peers, t, cid, f, e)
                     break
+                if not same_save(self.layout, rec):
+                    return
                 records.mark_done(f, to(t))
                 self._retry_at.pop(t, None)
                 seconds = time.perf_counter() - start

@@ -1,0 +1,67 @@
+"""The replicator against a real peer server on 127.0.0.1: what it records as replicated is what the
+peer holds of the save that is committed now."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_memstore import MemoryStorageWriter
+from dcp_memstore.replication.replicator import ReplicaRecords, Replicator
+from dcp_memstore.replication.server import PeerServer
+from dcp_memstore.replication.tcp import TcpTransport
+from dcp_memstore.store.layout import StoreLayout
+from tests.replication.test_recovery import SECRET, two_node_peers
+
+
+def save(store, cid: str, value: float) -> None:
+    """A checkpoint of two shard files (the store has two io threads) whose bytes depend on ``value``."""
+    sd = {"a": torch.full((64 * 1024,), value), "b": torch.full((32 * 1024,), -value)}
+    dcp.save(sd, checkpoint_id=cid, storage_writer=MemoryStorageWriter(store), no_dist=True)
+
+
+def test_a_transfer_that_ends_after_its_checkpoint_was_saved_again_does_not_count_for_the_new_save(
+    store, shm_dir
+):
+    """Step-1 is deleted and saved again under its id (other values) while the replicator is sending one
+    of the first save's files: that file must be sent again for the new save, which is replicated only
+    once the peer holds the new save's bytes of every file."""
+    layout, cid = store.layout, "step-1"
+    save(store, cid, 1.0)
+    ReplicaRecords(layout, cid).hold()  # as a commit on a node of a multi-node job places it
+
+    sent: list[str] = []
+
+    class SavedAgainDuringTheFirstTransfer(TcpTransport):
+        """A real TCP transport. The interleaving is forced (fault injection): right after the peer has
+        stored the first file, the user deletes step-1 and saves it again (with real processes the
+        transfer only has to be in flight across the delete and the new save, which timing decides)."""
+
+        def put_file(self, *args, **kwargs) -> None:
+            super().put_file(*args, **kwargs)
+            sent.append(args[3])
+            if len(sent) == 1:
+                store.delete(cid)
+                save(store, cid, 2.0)
+                ReplicaRecords(layout, cid).hold()
+
+    with (
+        PeerServer(shm_dir / "node1", "job", SECRET, "127.0.0.1", io_timeout_s=10) as server,
+        SavedAgainDuringTheFirstTransfer("job", SECRET, timeout_s=10) as transport,
+    ):
+        peers = two_node_peers(server.address[1])
+        replicator = Replicator(layout, lambda: peers, transport, keep=2)
+        try:
+            deadline = time.monotonic() + 30
+            while ReplicaRecords(layout, cid).owed() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            replicator.close(10)
+        assert not ReplicaRecords(layout, cid).owed(), "the new save was never replicated"
+        own = {p.name: p.read_bytes() for p in layout.checkpoint_dir(cid).glob("__*")}
+        replica = StoreLayout(shm_dir / "node1", "job").replica_dir("node0", cid)
+        held = {p.name: p.read_bytes() for p in replica.glob("__*")}
+        assert {f: held.get(f) == data for f, data in own.items()} == dict.fromkeys(own, True)
+        assert sorted(own) == ["__0_0.shard", "__0_1.shard"] and len(sent) == 3  # one sent twice
