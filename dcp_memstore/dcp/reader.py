@@ -255,6 +255,7 @@ class MemoryStorageReader(StorageReader):
             # this node's own copy failed already: fetch from the others, and from the next holder when
             # a fetched copy fails its item checksums (the transfer checksum only proves the transfer)
             tried = {src.cluster.own_copy} if error is not None else set()
+            damaged = [error] if isinstance(error, CorruptShardError) else []
             dest = src.fetch_dir / file
             src.fetch_dir.mkdir(parents=True, exist_ok=True)
             while True:
@@ -265,9 +266,10 @@ class MemoryStorageReader(StorageReader):
                 except CorruptShardError as e:
                     dest.unlink(missing_ok=True)
                     error = e
+                    damaged.append(e)
                     continue
-                except FileNotFoundError as e:
-                    error = e
+                except FileNotFoundError as e:  # no holder left
+                    error = _no_intact_copy(file, src.checkpoint_id, damaged, e) if damaged else e
                     break
                 if error is not None:
                     log.warning("%s; read it from another node's memory instead", error)
@@ -437,6 +439,15 @@ def _shares_memory(reads: list[_Read]) -> list[bool]:
 
 def _item_name(index: MetadataIndex) -> str:
     return item_name(index.fqn, index.offset)
+
+
+def _no_intact_copy(
+    file: str, checkpoint_id: str, damaged: list[Exception], last: Exception
+) -> CorruptShardError:
+    """The error of a file whose copies that could be read all failed their checks (``damaged``) and that
+    no other node can give (``last``): the damage is the cause, not a file missing everywhere."""
+    why = "; ".join(str(d).rstrip(".") for d in damaged)
+    return CorruptShardError(f"no intact copy of file {file} of checkpoint {checkpoint_id!r}: {why}; {last}")
 
 
 def _truncated(path: Path | str, r: _Read, size: int) -> TruncatedShardError:
