@@ -268,7 +268,7 @@ class MemStore(PersistingStore, ReplicatingStore):
         self._closed = False
         self._close_hooks: list[Callable[[], None]] = []
         liveness.own_token(self.layout)  # this process's lock: its saves and loads record it as owner
-        cleared = catalog.clear_abandoned(self.layout)
+        cleared = catalog.clear_abandoned(self.layout, keep_prepared=True)
         if cleared:
             log.info("cleared uncommitted leftovers of dead saves: %s", cleared)
         if self.target is None and (owed := self._owed()):

@@ -31,9 +31,9 @@ from dcp_memstore.status import CheckpointStatus
 from dcp_memstore.store import catalog
 from dcp_memstore.store.collective import dist_active
 from dcp_memstore.store.ids import validate_name
-from dcp_memstore.store.layout import MANIFEST
+from dcp_memstore.store.layout import MANIFEST, PREPARED
 from dcp_memstore.store.manifest import Manifest
-from dcp_memstore.store.records import write_atomic
+from dcp_memstore.store.records import write_atomic, write_record
 from dcp_memstore.store.threads import run_parallel
 
 log = logging.getLogger("dcp_memstore.memstore")
@@ -67,12 +67,14 @@ class ReplicatingStore:
         in_memory: dict[str, tuple[float, int, int]],
         inventories: dict[int, dict],
     ) -> None:
-        """Restore on this node, from the copies and replicas other nodes hold, ``newest`` and every
+        """Commit here what this node prepared and another node committed (see ``_finish_prepared``).
+        Restore on this node, from the copies and replicas other nodes hold, ``newest`` and every
         checkpoint some node still owes to persistent storage (so that this node uploads its share of it),
         if readable from the cluster but not committed here; owe here what another node owes; take over
         the files of an owed checkpoint whose node left the job from the replicas kept here (see
         ``recovery.orphans``); report an owed checkpoint whose files no node holds. Then owe again the
         replicas other nodes lost (see ``recovery``). Failures are logged: reads then fetch per file."""
+        self._finish_prepared(inventories)
         peers = service.peers()
         owed = set() if self.target is None else {c for inv in inventories.values() for c in inv["owed"]}
         restorable = sorted(owed & in_memory.keys(), key=lambda cid: in_memory[cid][1])
@@ -99,6 +101,18 @@ class ReplicatingStore:
         service.wake()
         if owed and self._persister is not None:
             self._persister.wake()
+
+    def _finish_prepared(self, inventories: dict[int, dict]) -> None:
+        """Commit here each checkpoint this node prepared whose commit never reached it (the coordinator was
+        killed between the two phases, or the message was lost) and that another node of the job has
+        committed as the same save (its ``committed_at``), with that node's record (logged)."""
+        saves = {(c[0], c[1]): c for inv in inventories.values() for c in inv["committed"]}
+        for cid, prepared in catalog.prepared(self.layout).items():
+            save = saves.get((cid, prepared.get("committed_at")))
+            if save is not None:
+                _, at, seq, nbytes, _ = save
+                self._commit_here(cid, "commit", {"seq": seq, "committed_at": at, "nbytes": nbytes}, b"")
+                log.info("checkpoint %r: committed here, as on the nodes its commit reached", cid)
 
     def _take_over(
         self, cid: str, inventories: dict[int, dict], node: int, restoring: dict[int, range]
@@ -267,6 +281,8 @@ class ReplicatingStore:
             # refuses a damaged or malformed one, or one naming files outside the checkpoint
             Manifest.decode(manifest, f"the manifest of checkpoint {cid!r} from the coordinator", cid)
             write_atomic(directory / MANIFEST, manifest)
+            # which save this is, should the commit never arrive: a restart finishes it (``_repair``)
+            write_record(directory / PREPARED, {k: record[k] for k in ("committed_at", "nbytes")})
         else:  # commit
             if not (directory / MANIFEST).exists():
                 raise ValueError(f"checkpoint {cid!r} was not prepared on this node")
@@ -274,6 +290,7 @@ class ReplicatingStore:
             catalog.commit(
                 self.layout, cid, record["nbytes"], seq=record["seq"], committed_at=record["committed_at"]
             )
+            (directory / PREPARED).unlink(missing_ok=True)
             self.after_commit()
         return catalog.next_seq(self.layout)
 

@@ -31,7 +31,12 @@ log = logging.getLogger(__name__)
 def inventory(layout: StoreLayout) -> dict:
     """What this node holds: ``committed`` [[id, committed_at, seq, nbytes, {file: size} listed]],
     ``own`` {id: {file: size}} present, ``replicas`` {source node: {id: {file: size}}}, ``owed`` [ids owed
-    to persistent storage]."""
+    to persistent storage], ``prepared`` {id: [committed_at, {file: size}]} (prepared for a commit that
+    never reached this node: the coordinator's record says which save)."""
+    prepared = {
+        cid: [record.get("committed_at"), list_files(layout.checkpoint_dir(cid))]
+        for cid, record in catalog.prepared(layout).items()
+    }
     committed, own, owed = [], {}, []
     for r in catalog.committed(layout):
         committed.append(
@@ -50,7 +55,7 @@ def inventory(layout: StoreLayout) -> dict:
             files = list_files(ck.path)
             if files:
                 replicas.setdefault(src.name, {})[ck.name] = files
-    return {"committed": committed, "own": own, "replicas": replicas, "owed": owed}
+    return {"committed": committed, "own": own, "replicas": replicas, "owed": owed, "prepared": prepared}
 
 
 def readable(inventories: list[dict]) -> dict[str, tuple[float, int, int]]:
@@ -61,9 +66,11 @@ def readable(inventories: list[dict]) -> dict[str, tuple[float, int, int]]:
 
 def unheld(inventories: list[dict]) -> dict[str, tuple[tuple[float, int, int], list[str]]]:
     """Every checkpoint some node has the manifest of, with its (committed_at, seq, nbytes) and the files
-    it lists that no node holds (own copy or replica) at the listed size, sorted."""
+    it lists that no node holds (own copy or replica, or a copy prepared of the same save, which the
+    repair commits) at the listed size, sorted."""
     listed: dict[str, tuple[tuple[float, int, int], dict[str, int]]] = {}
     held: dict[str, dict[str, int]] = {}
+    prepared: list[tuple[str, float, dict[str, int]]] = []
     for inv in inventories:
         for cid, at, seq, nbytes, files in inv["committed"]:
             listed.setdefault(cid, ((at, seq, nbytes), files))
@@ -72,6 +79,10 @@ def unheld(inventories: list[dict]) -> dict[str, tuple[tuple[float, int, int], l
         for by_id in inv["replicas"].values():
             for cid, files in by_id.items():
                 held.setdefault(cid, {}).update(files)
+        prepared += [(cid, at, files) for cid, (at, files) in inv.get("prepared", {}).items()]
+    for cid, at, files in prepared:
+        if cid in listed and listed[cid][0][0] == at:
+            held.setdefault(cid, {}).update(files)
     out = {}
     for cid, (rec, files) in listed.items():
         have = held.get(cid, {})

@@ -33,6 +33,7 @@ from dcp_memstore.store.layout import (
     HOLDS,
     INPROGRESS,
     OWNER,
+    PREPARED,
     StoreLayout,
     file_rank,
     name_owner,
@@ -230,6 +231,21 @@ def committed(layout: StoreLayout) -> list[CommitRecord]:
         if rec is not None:
             out.append(rec)
     return sorted(out, key=lambda r: r.seq)
+
+
+def prepared(layout: StoreLayout) -> dict[str, dict]:
+    """The checkpoints this node prepared for a commit that another node coordinates and has not
+    committed, with the record of the save that the coordinator sent with it (``committed_at``, ``nbytes``)
+    in their ``PREPARED`` file."""
+    out = {}
+    with contextlib.suppress(FileNotFoundError):
+        for e in os.scandir(layout.checkpoints_dir):
+            d = Path(e.path)
+            if e.is_dir() and not (d / COMMITTED).exists():
+                record = _safe_read(d / PREPARED)
+                if record is not None:
+                    out[e.name] = record
+    return out
 
 
 def ranks_with_files(directory: Path) -> set[int]:
@@ -450,15 +466,21 @@ def evict(layout: StoreLayout, keep: int, ignored_holds: Collection[str] = ()) -
 
 
 def clear_abandoned(
-    layout: StoreLayout, before: float | None = None, running: Collection[str] = (), children: bool = False
+    layout: StoreLayout,
+    before: float | None = None,
+    running: Collection[str] = (),
+    children: bool = False,
+    keep_prepared: bool = False,
 ) -> list[str]:
     """Discard uncommitted checkpoint directories whose saving process is dead, and (with ``before``) those
     this process started before time ``before`` and never committed, except ``running``: the checkpoint
     ids whose saves in this process are still writing (another thread's save, begun earlier, is not an
     abandoned one). With ``children`` also those that child processes of this one started before
     ``before``: the caller knows that none of them is saving (DCP's checkpoint process, which has answered
-    every save sent to it). Also recycles the staging slots and reservation areas of dead processes, drops
-    their holds (see ``process_hold``) and empties the trash."""
+    every save sent to it). With ``keep_prepared``, those this node prepared for a commit (``PREPARED``)
+    stay: the coordinator may have committed them (``latest_checkpoint`` finishes them). Also recycles the
+    staging slots and reservation areas of dead processes, drops their holds (see ``process_hold``) and
+    empties the trash."""
     cleared = []
     try:
         entries = list(os.scandir(layout.checkpoints_dir))
@@ -475,7 +497,7 @@ def clear_abandoned(
         if (d / COMMITTED).exists():
             holds(layout, e.name)  # drops the holds of dead processes
             continue
-        if e.name in running:
+        if e.name in running or (keep_prepared and (d / PREPARED).exists()):
             continue
         owner = _safe_read(d / INPROGRESS)
         if owner is None:

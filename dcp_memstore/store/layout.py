@@ -26,6 +26,7 @@ from pathlib import Path
 
 INPROGRESS = "INPROGRESS"
 COMMITTED = "COMMITTED"
+PREPARED = "PREPARED"  # on a node other than the coordinator's: the save it prepared (see replicating.py)
 MANIFEST = "manifest.msgpack"
 OWNER = "OWNER"
 HOLDS = "holds"

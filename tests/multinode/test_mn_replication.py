@@ -207,6 +207,32 @@ def test_peer_cut_off_during_replication_training_goes_on(cluster2, tmp_path):
     assert replica_files(n1.root, "node0", "step-1") == checkpoint_files(n0.root, "step-1")
 
 
+def test_crash_between_the_commit_phases_resumes_from_the_checkpoint_the_coordinator_committed(
+    cluster2, tmp_path
+):
+    """Rank 0 (the coordinator) is killed right after it committed step-2 on its node, before it told
+    node 1, which had prepared it (manifest and files in place). The restarted job resumes from step-2:
+    node 1 commits what it prepared with the coordinator's record, instead of discarding its files and
+    leaving step-2 committed on node 0 alone (the job would resume from step-1 and fail to save step-2
+    again, 'already exists' on node 0)."""
+    crash = {0: {"DCP_MEMSTORE_CRASH_AT": "after-commit:0:2"}}
+    procs = launch(cluster2, [0, 1], ["save", "--steps", 2], tmp_path, env=crash)
+    for p in procs:
+        p.wait(TIMEOUT_S)
+    assert [p.returncode != 0 for p in procs] == [True, True]
+    n0, n1 = (cluster2.node(i).root / JOB / "checkpoints" / "step-2" for i in (0, 1))
+    assert (
+        (n0 / "COMMITTED").exists() and not (n1 / "COMMITTED").exists() and (n1 / "manifest.msgpack").exists()
+    )
+    loaded = run_job(cluster2, [0, 1], ["load", "--wait-replicated"], tmp_path)
+    for evs in loaded:
+        (latest,) = of(evs, "latest")
+        assert latest == {**latest, "checkpoint": "step-2", "here": ["step-1", "step-2"]}
+        assert of(evs, "loaded")[0]["ok"] is True
+        assert [e["replication"] for e in of(evs, "replicated")] == ["replicated", "replicated"]
+    assert not (n1 / "PREPARED").exists()
+
+
 def test_surviving_node_alone_loads_from_the_replicas_it_keeps(cluster2, tmp_path):
     """Node 1 is lost for good and the job goes on with node 0 only (a job of one node, two ranks). Node
     1's files of the newest checkpoint are in the replica node 0 keeps: the load reads them from there."""

@@ -48,6 +48,17 @@ def test_readable_needs_a_manifest_and_every_file_somewhere():
     assert readable([node1_lost, node2]) == {}  # no manifest anywhere
 
 
+def test_a_copy_prepared_for_a_commit_counts_only_for_the_same_save():
+    """Node 1 prepared s1 and its commit never arrived; node 0 committed it. Node 1's files count as
+    held (the repair commits them) if they are of the save node 0 committed, by its commit time."""
+    listed = {"__0_0.shard": 100, "__1_0.shard": 50}
+    node0 = {"committed": [["s1", 2.0, 1, 150, listed]], "own": {"s1": {"__0_0.shard": 100}}, "replicas": {}}
+    node1 = {"committed": [], "own": {}, "replicas": {}, "prepared": {"s1": [2.0, {"__1_0.shard": 50}]}}
+    assert readable([node0, node1]) == {"s1": (2.0, 1, 150)}
+    older = {**node1, "prepared": {"s1": [1.0, {"__1_0.shard": 50}]}}  # an earlier save under the id
+    assert unheld([node0, older]) == {"s1": ((2.0, 1, 150), ["__1_0.shard"])}
+
+
 def test_files_of_a_node_that_left_go_to_the_node_keeping_most_of_their_replicas():
     listed = {"__0_0.shard": 10, "__1_0.shard": 20, "__1_1.shard": 5, "__2_0.shard": 30}
     rec = ["s1", 2.0, 1, 65, listed]
