@@ -133,7 +133,8 @@ class PersistTarget:
         back with it) never leave a torn one, even once it is published. Local file systems: written
         under a hidden temporary name beside it (left behind only by a killed process), fsynced, renamed
         over it (``records.atomic_file``), then the directory fsynced; object stores: one PUT or
-        multipart upload, aborted on an error instead of completed with what was written so far."""
+        multipart upload, aborted on an error (completing it included) instead of completed with what
+        was written so far (``_abandon``)."""
         if self.is_local:
             directory = Path(path).parent
             directory.mkdir(parents=True, exist_ok=True)
@@ -144,13 +145,10 @@ class PersistTarget:
         out = self.fs.open(path, "wb", block_size=block_size)
         try:
             yield out
+            out.close()  # completes the upload
         except BaseException:
-            discard = getattr(out, "discard", None)  # s3fs, gcsfs: abort the multipart upload
-            if discard is not None:
-                discard()
-                out.closed = True  # closing would complete the upload with what was written
+            _abandon(out, path)
             raise
-        out.close()
 
     def forget_listings(self) -> None:
         """Drop the file system's cached directory listings, so the next listing asks the server."""
@@ -188,6 +186,24 @@ class PersistTarget:
 
     def __repr__(self) -> str:
         return f"PersistTarget({self.url!r})"
+
+
+def _abandon(out: Any, path: str) -> None:
+    """Give up the object store writer ``out`` of ``path`` after an error: mark it closed first, so that
+    neither a later close nor its finalizer completes the upload with what was written so far (a torn
+    object replacing a whole one), then abort its multipart upload (s3fs, gcsfs: ``discard``), also when
+    completing it was what failed. An abort that fails is logged, not raised: the upload's own error is
+    the one that tells what went wrong; its parts stay until the bucket's lifecycle rules remove them."""
+    out.closed = True
+    discard = getattr(out, "discard", None)
+    if discard is None:
+        return
+    try:
+        discard()
+    except Exception as e:  # noqa: BLE001 - the caller raises the upload's own error
+        log.warning(
+            "could not abort the failed upload of %s (%s): its parts stay in the bucket", path, describe(e)
+        )
 
 
 def sync_directory(directory: Path) -> None:

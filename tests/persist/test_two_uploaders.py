@@ -8,6 +8,7 @@ be idempotent."""
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import shutil
 import subprocess
@@ -16,10 +17,11 @@ from pathlib import Path
 
 import msgpack
 import pytest
+import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_memstore import MemStore
-from dcp_memstore.persist.export import remote_name, upload_file
+from dcp_memstore.persist.export import BLOCK_SIZE, remote_name, upload_file
 from dcp_memstore.persist.target import COMMITTED, PARTS, STOCK_METADATA, PersistTarget
 from dcp_memstore.persist.target import MANIFEST as REMOTE_MANIFEST
 from dcp_memstore.store.layout import MANIFEST
@@ -124,3 +126,75 @@ def test_two_nodes_uploading_the_same_files_publish_the_checkpoint_once(shm_dir,
             assert_tree_equal(_state(4, mib=2), load(store, blank_like(_state(4, mib=2)), "s1"))
     finally:
         subprocess.run(["rm", "-rf", str(fresh)], check=True)
+
+
+def test_an_upload_whose_abort_fails_never_completes_with_what_was_written(shm_dir, s3_bucket):
+    """A multipart re-upload of a published file fails midway and the abort of its multipart upload fails
+    too (a mock: one refused request, which the real server does not produce on demand). The writer is
+    then dropped: it must not complete the upload with the parts sent so far when it is collected
+    (before, fsspec's finalizer closed it, and the published object was replaced by a torn one). The
+    upload's own error is what the caller sees."""
+    server, url = s3_bucket
+    state = {"w": torch.randn(10 << 20), "v": torch.randn(1 << 10)}  # 40 MiB: multipart parts
+    with MemStore(
+        root=shm_dir, job_id="job", io_threads=1, persist_to=url, storage_options=server.storage_options()
+    ) as store:
+        save(store, state, "s1")
+        store.persist("s1")
+        store.wait_persisted("s1", timeout=60)
+        local = store.layout.checkpoint_dir("s1")
+    t = PersistTarget(url, server.storage_options())
+    before = _remote_files(t, "s1")
+    items = list(enumerate(Manifest.read(local / MANIFEST).items))
+    (file,) = {it.location.file for _, it in items}
+    copy = shm_dir / "other-node-copy"
+    copy.mkdir()
+    shutil.copyfile(local / file, copy / file)
+    last = max(it.location.offset for _, it in items)
+    assert last > 2 * BLOCK_SIZE  # parts of the first item are uploaded before the failure
+    with open(copy / file, "r+b") as f:
+        f.truncate(last + 1)
+    fs = t.fs
+
+    def refused(*args, **kwargs):
+        raise ConnectionError("abort refused (mock)")
+
+    fs.abort_mpu = refused
+    try:
+        with pytest.raises(ValueError, match="shorter than its manifest"):
+            upload_file(t, "s1", copy, file, items)
+        gc.collect()
+    finally:
+        del fs.abort_mpu
+    assert _remote_files(t, "s1") == before
+
+
+def test_an_upload_that_fails_to_complete_is_aborted(shm_dir, s3_bucket):
+    """Completing a multipart upload fails (a mock: one refused request, which the real server does not
+    produce on demand). The upload is aborted, not left in the bucket with its parts, where each retry
+    would leave another whole file's worth of storage nobody sees."""
+    server, url = s3_bucket
+    state = {"w": torch.randn(10 << 20)}  # 40 MiB: multipart parts
+    with MemStore(root=shm_dir, job_id="job", io_threads=1, persist_on_close=False) as store:
+        save(store, state, "s1")
+        local = store.layout.checkpoint_dir("s1")
+        items = list(enumerate(Manifest.read(local / MANIFEST).items))
+        (file,) = {it.location.file for _, it in items}
+        t = PersistTarget(url, server.storage_options())
+        fs = t.fs
+        call = fs.call_s3
+
+        def refused(method, *args, **kwargs):
+            if method == "complete_multipart_upload":
+                raise ConnectionError("complete refused (mock)")
+            return call(method, *args, **kwargs)
+
+        fs.call_s3 = refused
+        try:
+            with pytest.raises(ConnectionError, match="complete refused"):
+                upload_file(t, "s1", local, file, items)
+        finally:
+            fs.call_s3 = call
+    bucket = url.removeprefix("s3://")
+    assert fs.list_multipart_uploads(bucket) == []
+    assert not fs.exists(t.path("s1", remote_name(file)))
