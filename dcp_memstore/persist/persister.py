@@ -161,7 +161,7 @@ class Persister:
             progress.mark_persisted()
             return False
         rank = global_rank()
-        if any(s.get("state") == "failed" and s.get("pid") == os.getpid() for s in progress.states()):
+        if any(s.get("state") == "failed" and progress.mine(s) for s in progress.states()):
             return False  # failed for good in this process: wait for store.persist(id) (or a restart)
         next_at, backoff = self._retry_at.get(cid, (0.0, BACKOFF_START_S))
         if time.monotonic() < next_at:

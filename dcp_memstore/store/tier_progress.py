@@ -19,6 +19,7 @@ from pathlib import Path
 
 import psutil
 
+from dcp_memstore.store import liveness
 from dcp_memstore.store.layout import StoreLayout
 from dcp_memstore.store.records import read_record, write_record
 
@@ -53,22 +54,31 @@ class TierProgress:
                 (self.dir / group / f).unlink()
 
     def report(self, key: str, state: str, error: str | None = None, **extra: object) -> None:
-        """Record the state of this process's work (``key``: which process and, if needed, which peer)."""
+        """Record the state of this process's work (``key``: which process and, if needed, which peer),
+        with the process's liveness token (``lock``), by which ``states`` and ``mine`` know it."""
         self.prepare()
-        write_record(
-            self.dir / f"state-{key}",
-            {"pid": os.getpid(), "state": state, "error": error, "at": time.time(), **extra},
-        )
+        record = {"pid": os.getpid(), "lock": liveness.own_token(self.layout), "state": state}
+        write_record(self.dir / f"state-{key}", {**record, "error": error, "at": time.time(), **extra})
 
     def states(self) -> list[dict]:
-        """The states reported by processes that are still running (a dead process's state is stale)."""
+        """The states reported by processes that are still running (a dead process's state is stale),
+        judged by their liveness lock: a pid is another process's after a restart in a new PID namespace
+        (a container's processes get the same pids again). A record without a lock (an earlier
+        version's) by its pid."""
         out = []
         for r in self.state_files():
             with contextlib.suppress(FileNotFoundError, ValueError):
                 rec = read_record(r)
-                if isinstance(rec, dict) and psutil.pid_exists(int(rec.get("pid", -1))):
+                if not isinstance(rec, dict):
+                    continue
+                lock = rec.get("lock")
+                if liveness.alive(self.layout, lock) if liveness.is_token(lock) else _pid_alive(rec):
                     out.append(rec)
         return out
+
+    def mine(self, state: dict) -> bool:
+        """Whether ``state`` (one of ``states``) was reported by this process."""
+        return state.get("lock") == liveness.own_token(self.layout)
 
     def state_files(self) -> list[Path]:
         try:
@@ -94,3 +104,10 @@ class TierProgress:
             yield True
         finally:
             os.close(fd)
+
+
+def _pid_alive(record: dict) -> bool:
+    try:
+        return psutil.pid_exists(int(record.get("pid", -1)))
+    except (TypeError, ValueError):
+        return False

@@ -560,3 +560,47 @@ def test_a_persist_directory_named_with_glob_characters_lists_its_checkpoints(
             assert_tree_equal(sd, load(fresh, blank_like(sd), "c"))
     finally:
         subprocess.run(["rm", "-rf", str(fresh_root), str(shm_dir) + "-other"], check=True)
+
+
+_IN_NEW_PID_NAMESPACE = """
+import os
+import sys
+sys.path.insert(0, {repo!r})
+from pathlib import Path
+from dcp_memstore import MemStore, PersistError
+from tests.dcp.dcp_state import save
+from tests.persist.test_persist_dir import _block, _state, _wait_for_failed
+assert os.getpid() == 1, os.getpid()
+target = Path({target!r})
+with MemStore(root={root!r}, job_id="job", persist_to=str(target), persist_on_close=False) as store:
+    if {first}:
+        _block(target)
+        save(store, _state(3), "c")
+        store.persist("c")
+        _wait_for_failed(store, "c")
+    else:
+        print(store.wait_persisted("c", timeout=60).persist, flush=True)
+"""
+
+
+def test_a_restart_in_a_new_pid_namespace_retries_an_upload_that_failed(shm_dir, tmp_path):
+    """The job's upload fails for good (the target broke), the job ends, the target is fixed and the job
+    restarts in a new container (a new PID namespace) whose process has the pid the failed one had (pid
+    1, as a container's first process): the restart retries the upload, as it does elsewhere. Before, the
+    old process's state record was taken for the new process's own, by its pid: the upload was never
+    retried and status() said failed."""
+    if subprocess.run(["unshare", "-p", "-f", "true"], capture_output=True).returncode != 0:
+        pytest.skip("cannot make a PID namespace here (unshare needs root)")
+    target = tmp_path / "late"
+    target.mkdir()
+    repo = str(Path(__file__).resolve().parents[2])
+    outputs = []
+    for first in (True, False):
+        if not first:
+            target.unlink()  # fixed
+        code = _IN_NEW_PID_NAMESPACE.format(repo=repo, root=str(shm_dir), target=str(target), first=first)
+        cmd = ["unshare", "-p", "-f", "--mount-proc", sys.executable, "-c", code]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr[-3000:]
+        outputs.append(res.stdout.strip())
+    assert outputs == ["", "persisted"]
