@@ -15,6 +15,7 @@ import logging
 import os
 from collections.abc import Callable, Collection, Mapping
 
+from dcp_memstore.persist.persister import global_rank
 from dcp_memstore.persist.progress import is_owed
 from dcp_memstore.replication.cluster_read import ClusterCheckpoint
 from dcp_memstore.replication.peers import Peers, node_name
@@ -22,6 +23,7 @@ from dcp_memstore.replication.replicator import ReplicaRecords, manifest_files, 
 from dcp_memstore.replication.tcp import TcpTransport
 from dcp_memstore.replication.transport import list_files
 from dcp_memstore.store import catalog
+from dcp_memstore.store.faults import crash_point
 from dcp_memstore.store.layout import StoreLayout, file_rank
 from dcp_memstore.store.threads import run_parallel
 
@@ -99,11 +101,14 @@ def orphans(
     restart on fewer nodes). Each such rank goes to one node that has ``cid`` committed, or restores it,
     and keeps replicas of its files: the one keeping the most of them at the listed size, the lowest node
     first. A restoring node counts: its replicas outlive its own copy (received after a delete or an
-    eviction there), and its restore commits ``cid`` before it takes files over. Returns {node: {file:
+    eviction there), and its restore commits ``cid`` before it takes files over. A take-over cut short
+    (its process killed between two moves) is completed: a node whose copy holds files of a rank and
+    lacks others of it that no node's copy holds takes those from its replicas. Returns {node: {file:
     source node of the replica}}; every node computes the same from the same gathered views."""
     committed_on = {n: {c: files for c, *_, files in inv["committed"]} for n, inv in inventories.items()}
     listed = next((by_id[cid] for by_id in committed_on.values() if cid in by_id), {})
-    owned = {file_rank(f) for inv in inventories.values() for f in inv["own"].get(cid, {})}
+    in_copies = {n: set(inv["own"].get(cid, {})) for n, inv in inventories.items()}
+    owned = {file_rank(f) for files in in_copies.values() for f in files}
     owned.update(rank for ranks in restoring.values() for rank in ranks)
     by_rank: dict[int | None, set[str]] = {}
     for f in listed:
@@ -123,6 +128,13 @@ def orphans(
         node = max(kept_by, key=lambda n: (len(kept_by[n]), -n), default=None)
         if node is not None and kept_by[node]:
             out.setdefault(node, {}).update(kept_by[node])
+    in_none = set(listed).difference(*in_copies.values())
+    for node, inv in sorted(inventories.items()):
+        ranks = {file_rank(f) for f in in_copies[node]}
+        for source, by_id in sorted(inv["replicas"].items()):
+            for f, size in by_id.get(cid, {}).items():
+                if f in in_none and file_rank(f) in ranks and size >= listed[f]:
+                    out.setdefault(node, {}).setdefault(f, source)
     return out
 
 
@@ -138,6 +150,7 @@ def take_over(layout: StoreLayout, cid: str, files: dict[str, str]) -> list[str]
         except FileNotFoundError:
             continue
         moved.append(f)
+        crash_point("take-over", global_rank())
     return moved
 
 

@@ -21,6 +21,7 @@ CRASH_POINTS = (
     "after-commit",  # in finish(), right after the COMMITTED marker, before eviction
     "persist-upload",  # in the persister, after one file is uploaded and recorded
     "persist-publish",  # in the persister, manifest and .metadata published, COMMITTED marker not yet
+    "take-over",  # in latest_checkpoint(), one file of a rank that left the job moved from its replica
 )
 _hits: dict[str, int] = {}
 

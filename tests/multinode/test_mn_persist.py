@@ -139,6 +139,28 @@ def test_owed_files_of_a_node_that_left_the_job_are_uploaded_from_its_replicas(r
     assert torch.equal(out["w"], global_weight(1, 2)) and out["step"] == 1
 
 
+def test_a_take_over_killed_midway_is_completed_by_the_next_restart(cluster2, tmp_path):
+    """As above (2 -> 1 nodes), but the restart is SIGKILLed after node 0 has moved the first of the
+    files of the rank that left from its replicas into its copy, before the others. The next restart
+    moves the rest and step 1 is published. (Before, the rank counted as held by node 0 from its one
+    moved file: the others stayed in the replicas, and the upload failed for good on a missing file.)"""
+    shared = tmp_path / "persisted"
+    save_and_lose_node1_before_its_upload(cluster2, tmp_path, shared, replicas=1, wiped=False)
+    kept = cluster2.node(0).root / JOB / "replicas" / "node1" / "step-1"
+    copy = cluster2.node(0).root / JOB / "checkpoints" / "step-1"
+    files = len(list(kept.glob("__1_*")))
+    assert files > 1  # a kill between two of them leaves one moved
+    args = ["load", "--mib", 2, "--persist-to", shared, "--persist-every", 0, "--wait-persisted", 1]
+    (killed,) = launch(cluster2, [0], args, tmp_path, env={0: {"DCP_MEMSTORE_CRASH_AT": "take-over"}})
+    assert killed.wait(TIMEOUT_S) != 0
+    assert (len(list(copy.glob("__1_*"))), len(list(kept.glob("__1_*")))) == (1, files - 1)
+    (loaded,) = run_job(cluster2, [0], args, tmp_path)
+    loaded_and_persisted(loaded)
+    out = {"w": torch.zeros(2 * 256, 1024), "bias": torch.zeros(1000, dtype=torch.float64), "step": -1}
+    dcp.load(out, storage_reader=dcp.FileSystemReader(str(shared / "step-1")), no_dist=True)
+    assert torch.equal(out["w"], global_weight(1, 2)) and out["step"] == 1
+
+
 def test_owed_files_kept_only_by_a_node_that_restores_the_checkpoint_are_uploaded(cluster3, tmp_path):
     """Three nodes save step 1 (replicas: node 0 -> 1 -> 2 -> 0); node 1 alone asks for the upload and
     uploads its share. Every node is SIGKILLed, and node 0 is left as a crash between the two steps of

@@ -83,6 +83,10 @@ def test_files_of_a_node_that_left_go_to_the_node_keeping_most_of_their_replicas
     assert orphans("s1", {0: node0, 1: node1}, {}) == {1: {"__0_0.shard": "node0"}}
     # restoring it (rank 0): node 0 takes over rank 2's files once its restore commits the checkpoint
     assert orphans("s1", {0: node0, 1: node1}, {0: range(1)}) == {0: {"__2_0.shard": "node2"}}
+    # a take-over killed midway: node 0 moved one of rank 1's files into its copy, not the other
+    node0 = node({"__0_0.shard": 10, "__1_0.shard": 20}, {"node1": {"s1": {"__1_1.shard": 5}}})
+    node1 = node({"__2_0.shard": 30}, {"node0": {"s1": {"__0_0.shard": 10}}})
+    assert orphans("s1", {0: node0, 1: node1}, {}) == {0: {"__1_1.shard": "node1"}}
 
 
 def test_take_over_moves_replicas_into_the_checkpoint_where_the_persister_uploads_them(store):
