@@ -170,6 +170,9 @@ class Persister:
             self._advance(rec, progress, rank)
             self._retry_at.pop(cid, None)
         except Exception as e:  # noqa: BLE001 - classified: permanent errors stop, others are retried
+            if not self._current(rec):  # the records under its id are another save's now, or gone
+                log.info("persisting checkpoint %r stopped: %s", cid, e)
+                return False
             if is_permanent(e):
                 log.error("persisting checkpoint %r to %s failed: %s", cid, self.target.url, e)
                 progress.report(rank, "failed", describe(e))
@@ -194,7 +197,9 @@ class Persister:
         local_dir = self.layout.checkpoint_dir(cid)
         manifest = self._manifests.get(save)
         if manifest is None:  # read once per save, not at every poll while other processes upload
-            manifest = self._manifests[save] = Manifest.read(local_dir / MANIFEST)
+            manifest = Manifest.read(local_dir / MANIFEST)
+            self._require_current(rec)  # it is this save's manifest, not one of a save since
+            self._manifests[save] = manifest
         by_file: dict[str, list] = {}
         for i, it in enumerate(manifest.items):
             by_file.setdefault(it.location.file, []).append((i, it))
@@ -224,6 +229,7 @@ class Persister:
                     return
             else:
                 self._settle_if_published(rec, progress)
+            self._require_current(rec)
             progress.mark_persisted()
         progress.report(rank, "persisted")
         catalog.evict(self.layout, self.keep)  # it may have been held past its turn
@@ -236,6 +242,7 @@ class Persister:
         there since) are forgotten, so the next round uploads them again instead of waiting for good."""
         cid = rec.checkpoint_id
         parts = read_parts(self.target, rec)
+        self._require_current(rec)  # the records below and publication are this save's
         lost = share - set(parts)
         if lost:
             log.warning(
@@ -257,11 +264,7 @@ class Persister:
             if not mine or file in progress.done_files():
                 return
             placed = upload_file(self.target, rec.checkpoint_id, local_dir, file, items)
-            again = catalog.read_commit(self.layout, rec.checkpoint_id)
-            if again is None or again.seq != rec.seq:  # its files may have been reused meanwhile
-                raise ValueError(
-                    f"checkpoint {rec.checkpoint_id!r} was deleted from memory during its upload"
-                )
+            self._require_current(rec)  # its files may have been reused meanwhile
             write_part(self.target, rec, file, placed)
             progress.mark_done(file)
         crash_point("persist-upload", rank)
@@ -278,7 +281,25 @@ class Persister:
                 "saved under the id "
                 f"{rec.checkpoint_id!r}; delete it there, or save under a new id"
             )
+        self._require_current(rec)
         progress.mark_persisted()
+
+    def _current(self, rec: catalog.CommitRecord) -> bool:
+        """Whether ``rec`` is still the save of its checkpoint id in memory: not deleted or evicted, and
+        not saved again under its id (a save after a deletion may even get the same sequence number)."""
+        try:
+            return catalog.read_commit(self.layout, rec.checkpoint_id) == rec
+        except ValueError:  # a corrupt commit marker: not this save's
+            return False
+
+    def _require_current(self, rec: catalog.CommitRecord) -> None:
+        """Raise unless ``rec`` is still its checkpoint's save (``_current``): the upload records, which
+        are kept by checkpoint id, and what is read from its directory would be another save's. Checked
+        after every step that can wait (on the target) and before each record is written."""
+        if not self._current(rec):
+            raise ValueError(
+                f"checkpoint {rec.checkpoint_id!r} was deleted from memory or saved again during its upload"
+            )
 
 
 def _save_key(rec: catalog.CommitRecord) -> tuple:

@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from dcp_memstore import MemStore, PersistError
-from dcp_memstore.persist.target import COMMITTED, STOCK_METADATA
+from dcp_memstore.persist.publish import remote_commit
+from dcp_memstore.persist.target import COMMITTED, STOCK_METADATA, PersistTarget
+from dcp_memstore.store import catalog
 from tests.dcp.dcp_state import assert_tree_equal, blank_like, load, save
 
 REPO = Path(__file__).resolve().parents[2]
@@ -248,6 +250,39 @@ def test_an_id_published_by_another_save_is_refused_and_left_intact(shm_dir, s3_
     try:
         with _store(fresh_root, url, server) as fresh:
             assert_tree_equal(first, load(fresh, blank_like(first), "final"))
+    finally:
+        subprocess.run(["rm", "-rf", str(fresh_root)], check=True)
+
+
+def test_a_checkpoint_deleted_and_saved_again_during_its_upload_is_persisted_as_the_new_save(
+    shm_dir, s3_bucket
+):
+    """The upload of "c" waits for a frozen server; meanwhile "c" is deleted and saved again with other
+    values (with the same sequence number: it was the newest) and the new save is persisted. Once the
+    server answers, the first save's upload round neither publishes in the new save's place nor marks it
+    persisted or failed: the new save is published, and loads with its values. (Before, the round went
+    on with the new save's files under the first save's commit record, published that record and
+    marked the new save persisted, which the bucket did not hold.)"""
+    server, url = s3_bucket
+    first, second = _state(1, mib=2), _state(2, mib=2)
+    with _store(shm_dir, url, server) as store:
+        save(store, first, "c")
+        server.pause()
+        try:
+            store.persist("c")
+            time.sleep(1.0)  # the persister is waiting for the server
+            store.delete("c")
+            save(store, second, "c")
+            store.persist("c")
+        finally:
+            server.resume()
+        store.wait_persisted("c", timeout=120)
+        saved = catalog.read_commit(store.layout, "c")
+    assert remote_commit(PersistTarget(url, server.storage_options()), "c") == saved
+    fresh_root = Path(str(shm_dir) + "-fresh")
+    try:
+        with _store(fresh_root, url, server) as fresh:
+            assert_tree_equal(second, load(fresh, blank_like(second), "c"))
     finally:
         subprocess.run(["rm", "-rf", str(fresh_root)], check=True)
 
