@@ -19,6 +19,7 @@ from dcp_memstore.persist.target import MANIFEST as REMOTE_MANIFEST
 from dcp_memstore.store import catalog
 from dcp_memstore.store.layout import COMMITTED as LOCAL_COMMITTED
 from dcp_memstore.store.layout import MANIFEST
+from dcp_memstore.store.manifest import Manifest
 from tests.dcp.dcp_state import assert_tree_equal, blank_like, load, save, snapshot
 
 
@@ -193,6 +194,27 @@ def test_reader_falls_back_per_file_to_the_persisted_copy(shm_dir, bucket_dir, d
                 f.seek(0)
                 f.write(bytes([byte[0] ^ 0xFF]))
         assert_tree_equal(sd, load(store, blank_like(sd), "c"))
+
+
+def test_a_local_copy_that_fails_its_checksum_is_not_uploaded(shm_dir, bucket_dir):
+    """A byte of a committed shard file flips in memory before the upload. The upload fails for good,
+    naming the file and the item, and publishes nothing: the persisted copy, which a reader falls back
+    to when the local copy is corrupt, never holds bytes that fail their checksum. (Before, the bytes
+    were uploaded as they were and published as persisted: stock DCP loaded the wrong values.)"""
+    with _pstore(shm_dir, bucket_dir, persist_on_close=False) as store:
+        save(store, _state(4), "c")
+        local = store.layout.checkpoint_dir("c")
+        item = next(it for it in Manifest.read(local / MANIFEST).items if it.fqn == "w")
+        with open(local / item.location.file, "r+b") as f:
+            f.seek(item.location.offset + 5)
+            byte = f.read(1)
+            f.seek(item.location.offset + 5)
+            f.write(bytes([byte[0] ^ 0x01]))
+        store.persist("c")
+        with pytest.raises(PersistError, match=f"{item.location.file}.* w.* checksum"):
+            store.wait_persisted("c", timeout=60)
+    assert not (bucket_dir / "c" / COMMITTED).exists()
+    assert not (bucket_dir / "c" / STOCK_METADATA).exists()
 
 
 def test_a_corrupt_local_commit_marker_is_passed_over_for_the_persisted_copy(shm_dir, bucket_dir, caplog):
