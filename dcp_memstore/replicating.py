@@ -122,7 +122,8 @@ class ReplicatingStore:
         they are uploaded (``restoring``: the nodes that restored ``cid`` in this repair, with their
         ranks); logged."""
         moved = take_over(self.layout, cid, orphans(cid, inventories, restoring).get(node, {}))
-        if moved:
+        if moved:  # an upload that failed on one of them missing (a take-over cut short) tries again
+            Progress(self.layout, cid, self.target.url).clear_failures()
             log.info(
                 "checkpoint %r: uploading files %s of ranks that left the job, from the replicas kept here",
                 cid,

@@ -207,6 +207,11 @@ class Persister:
         local_rank, local_size = local_rank_and_size()
         done = progress.done_files()
         todo = [f for f in sorted(share) if (file_rank(f) or 0) % local_size == local_rank and f not in done]
+        missing = [f for f in todo if not (local_dir / f).exists()]
+        if missing:  # before any upload: a restart taking them over clears the failure
+            raise FileNotFoundError(
+                f"checkpoint {cid!r}: files {missing} of this node's ranks are not in {local_dir}"
+            )
         if todo:
             progress.report(rank, "uploading")
             run_parallel(

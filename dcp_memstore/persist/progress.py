@@ -53,6 +53,10 @@ class Progress(TierProgress):
         catalog.hold(self.layout, self.checkpoint_id, PERSIST_HOLD, {"reason": reason, "at": time.time()})
         if self.persisted():  # published meanwhile: the hold would never be released
             catalog.release(self.layout, self.checkpoint_id, PERSIST_HOLD)
+        self.clear_failures()
+
+    def clear_failures(self) -> None:
+        """Forget the uploads that failed for good, so that the persisters try again."""
         for r in self.state_files():
             with contextlib.suppress(FileNotFoundError):
                 if (read_record(r) or {}).get("state") == "failed":
