@@ -166,6 +166,7 @@ class Persister:
         next_at, backoff = self._retry_at.get(cid, (0.0, BACKOFF_START_S))
         if time.monotonic() < next_at:
             return True
+        started = time.time()  # a failure of this attempt is stale if failures are cleared meanwhile
         try:
             self._advance(rec, progress, rank)
             self._retry_at.pop(cid, None)
@@ -175,7 +176,7 @@ class Persister:
                 return False
             if is_permanent(e):
                 log.error("persisting checkpoint %r to %s failed: %s", cid, self.target.url, e)
-                progress.report(rank, "failed", describe(e))
+                progress.report(rank, "failed", describe(e), since=started)
                 return False
             log.warning(
                 "persisting checkpoint %r to %s: %s; retrying in %.1f s", cid, self.target.url, e, backoff

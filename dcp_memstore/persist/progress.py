@@ -7,6 +7,8 @@
 ``    state-<r>``                    the last state rank ``r``'s persister reported (uploading, retrying,
                                      failed)
 ``    PERSISTED``                    published there; the hold is gone
+``    RETRY``                        when failures were last cleared (``persist(id)``, a take-over): an
+                                     attempt begun before that which fails is not a failure
 ``    <f>.lock``                     flock held while a process uploads ``f`` (or publishes: ``publish``)
 """
 
@@ -56,11 +58,28 @@ class Progress(TierProgress):
         self.clear_failures()
 
     def clear_failures(self) -> None:
-        """Forget the uploads that failed for good, so that the persisters try again."""
+        """Forget the uploads that failed for good, so that the persisters try again; also a failure that
+        an attempt begun before this reports after it (``states``)."""
+        self.prepare()
+        with contextlib.suppress(FileNotFoundError):
+            write_record(self.dir / "RETRY", {"at": time.time()})
         for r in self.state_files():
             with contextlib.suppress(FileNotFoundError):
                 if (read_record(r) or {}).get("state") == "failed":
                     r.unlink()
+
+    def states(self) -> list[dict]:
+        """The states live processes reported, less failures of attempts begun before the last
+        ``clear_failures`` (``since``: when the attempt began; else when it was reported)."""
+        try:
+            cleared = float(read_record(self.dir / "RETRY")["at"])
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            cleared = 0.0
+        return [
+            s
+            for s in super().states()
+            if s.get("state") != "failed" or float(s.get("since", s.get("at", 0.0))) >= cleared
+        ]
 
     def persisted(self) -> bool:
         return (self.dir / "PERSISTED").exists()
