@@ -148,8 +148,17 @@ def next_seq(layout: StoreLayout) -> int:
 
 def join(layout: StoreLayout, checkpoint_id: str) -> Path:
     """The checkpoint's directory on this node, begun here if the coordinator runs on another node (its
-    ``begin`` made the directory on its own node only). Safe to race between the ranks of a node."""
+    ``begin`` made the directory on its own node only). Safe to race between the ranks of a node.
+
+    A copy this node prepared for an earlier save under this id, whose commit never came (``PREPARED``: its
+    coordinator was killed between the two phases and the job did not resume from it), is discarded first:
+    a new save of the id means that one never commits, and its files and markers (its dead process's
+    INPROGRESS, its manifest) must not mix with the new save's."""
     final = layout.checkpoint_dir(checkpoint_id)
+    if (final / PREPARED).exists():
+        with commit_lock(layout):  # one rank of the node discards it, not the new one another rank began
+            if (final / PREPARED).exists() and not (final / COMMITTED).exists():
+                discard(layout, final)
     if not final.is_dir():
         try:
             begin(layout, checkpoint_id)

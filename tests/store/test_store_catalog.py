@@ -310,3 +310,20 @@ def test_a_hold_placed_while_an_eviction_runs_is_never_missed(layout, monkeypatc
     holder.join()
     assert (victims, placed) == (["s0"], [None])
     assert _committed_ids(layout) == ["s1"]
+
+
+def test_a_new_save_does_not_join_a_copy_prepared_for_an_earlier_save_that_never_committed(layout):
+    # another node's coordinator was killed between prepare and commit: this node kept its prepared copy
+    old = catalog.begin(layout, "step-2")
+    (old / "__0_0.shard").write_bytes(b"old save")
+    write_record(old / "PREPARED", {"committed_at": 1.0, "nbytes": 8})
+    d = catalog.join(layout, "step-2")
+    assert d == old and d.is_dir()
+    assert sorted(p.name for p in d.iterdir()) == ["INPROGRESS"]  # begun anew: old files, markers gone
+
+
+def test_joining_a_checkpoint_begun_for_this_save_keeps_what_other_ranks_wrote(layout):
+    d = catalog.begin(layout, "step-2")
+    (d / "__0_0.shard").write_bytes(b"rank 0")
+    assert catalog.join(layout, "step-2") == d
+    assert (d / "__0_0.shard").read_bytes() == b"rank 0"
