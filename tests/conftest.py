@@ -49,6 +49,15 @@ def shm_dir():
 
 
 @pytest.fixture
+def fresh_root(shm_dir):
+    """A second store root beside ``shm_dir`` (a new node's, or a restarted job's on an empty tmpfs),
+    removed with everything in it afterwards."""
+    d = Path(str(shm_dir) + "-fresh")
+    yield d
+    subprocess.run(["rm", "-rf", str(d)], check=True)
+
+
+@pytest.fixture
 def store(shm_dir):
     """A MemStore on a fresh /dev/shm root with two io threads (so two shard files per rank)."""
     s = MemStore(root=shm_dir, job_id="job", io_threads=2)

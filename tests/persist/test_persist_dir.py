@@ -130,39 +130,31 @@ def test_close_persists_the_newest_checkpoint(shm_dir, bucket_dir):
     assert not (bucket_dir / "a").exists()
 
 
-def test_empty_tmpfs_restores_newest_persisted_checkpoint(shm_dir, bucket_dir, tmp_path):
+def test_empty_tmpfs_restores_newest_persisted_checkpoint(shm_dir, bucket_dir, tmp_path, fresh_root):
     sd = _state(3)
     with _pstore(shm_dir, bucket_dir, persist_every=1) as store:
         save(store, _state(2), "old")
         save(store, sd, "new")
         store.wait_persisted("new", timeout=60)
-    fresh_root = Path(str(shm_dir) + "-fresh")
-    try:
-        with MemStore(root=fresh_root, job_id="job", persist_to=str(bucket_dir)) as fresh:
-            assert fresh.list_checkpoints() == []
-            assert fresh.latest_checkpoint() == "new"
-            assert fresh.status("new").persisted and not fresh.status("new").in_memory
-            assert_tree_equal(sd, load(fresh, blank_like(sd), "new"))
-    finally:
-        subprocess.run(["rm", "-rf", str(fresh_root)], check=True)
+    with MemStore(root=fresh_root, job_id="job", persist_to=str(bucket_dir)) as fresh:
+        assert fresh.list_checkpoints() == []
+        assert fresh.latest_checkpoint() == "new"
+        assert fresh.status("new").persisted and not fresh.status("new").in_memory
+        assert_tree_equal(sd, load(fresh, blank_like(sd), "new"))
 
 
-def _load_error_on_another_node(shm_dir: Path, bucket_dir: Path, sd: dict, cid: str) -> BaseException:
+def _load_error_on_another_node(fresh_root: Path, bucket_dir: Path, sd: dict, cid: str) -> BaseException:
     """What a load of ``cid`` raises in a store with the same job and ``persist_to`` whose tmpfs does not
     have it (another node, or this one after a reboot): it reads the persisted copy."""
-    fresh_root = Path(str(shm_dir) + "-fresh")
-    try:
-        with (
-            MemStore(root=fresh_root, job_id="job", persist_to=str(bucket_dir)) as fresh,
-            pytest.raises(BaseException) as ei,  # noqa: B017 - DCP wraps it
-        ):
-            load(fresh, blank_like(sd), cid)
-    finally:
-        subprocess.run(["rm", "-rf", str(fresh_root)], check=True)
+    with (
+        MemStore(root=fresh_root, job_id="job", persist_to=str(bucket_dir)) as fresh,
+        pytest.raises(BaseException) as ei,  # noqa: B017 - DCP wraps it
+    ):
+        load(fresh, blank_like(sd), cid)
     return ei.value
 
 
-def test_a_damaged_persisted_manifest_is_refused_naming_it(shm_dir, bucket_dir):
+def test_a_damaged_persisted_manifest_is_refused_naming_it(shm_dir, bucket_dir, fresh_root):
     with _pstore(shm_dir, bucket_dir, persist_every=1) as store:
         save(store, _state(3), "c")
         store.wait_persisted("c", timeout=60)
@@ -170,7 +162,7 @@ def test_a_damaged_persisted_manifest_is_refused_naming_it(shm_dir, bucket_dir):
     data = bytearray(manifest.read_bytes())
     data[len(data) // 2] ^= 0x01
     manifest.write_bytes(data)
-    error = _load_error_on_another_node(shm_dir, bucket_dir, _state(3), "c")
+    error = _load_error_on_another_node(fresh_root, bucket_dir, _state(3), "c")
     # the damage, not "'c' not found" next to a list of the persisted checkpoints that names it
     damage = f"c/{REMOTE_MANIFEST}: the manifest is corrupt: its xxh3_64 checksum does not match"
     assert damage in str(error) and "not found" not in str(error)
@@ -259,13 +251,13 @@ def test_a_damaged_local_manifest_is_passed_over_for_the_persisted_copy(shm_dir,
         assert str(store.layout.checkpoint_dir("local-only") / MANIFEST) in str(ei.value)
 
 
-def test_a_truncated_persisted_file_is_an_error_saying_how_short(shm_dir, bucket_dir):
+def test_a_truncated_persisted_file_is_an_error_saying_how_short(shm_dir, bucket_dir, fresh_root):
     with _pstore(shm_dir, bucket_dir, persist_every=1) as store:
         save(store, _state(4), "c")
         store.wait_persisted("c", timeout=60)
     victim = bucket_dir / "c" / "__0_0.distcp"
     os.truncate(victim, victim.stat().st_size // 2)
-    error = _load_error_on_another_node(shm_dir, bucket_dir, _state(4), "c")
+    error = _load_error_on_another_node(fresh_root, bucket_dir, _state(4), "c")
     size = victim.stat().st_size
     assert f"TruncatedShardError: {bucket_dir}/c/__0_0.distcp is only {size} bytes long, where item " in str(
         error
@@ -485,7 +477,9 @@ def test_persist_of_an_unknown_checkpoint_names_those_that_exist(shm_dir, bucket
             store.persist("../a")
 
 
-def test_a_checkpoint_persisted_elsewhere_is_not_reported_persisted_to_a_new_target(shm_dir, tmp_path):
+def test_a_checkpoint_persisted_elsewhere_is_not_reported_persisted_to_a_new_target(
+    shm_dir, tmp_path, fresh_root
+):
     """Persisted to one directory, then the job restarts with persist_to naming another: there the
     checkpoint is not persisted until it is uploaded there."""
     first, second = tmp_path / "first", tmp_path / "second"
@@ -500,12 +494,8 @@ def test_a_checkpoint_persisted_elsewhere_is_not_reported_persisted_to_a_new_tar
         store.persist("a")
         assert store.wait_persisted("a", timeout=60).persisted_url == f"{second}/a"
     assert (second / "a" / COMMITTED).exists()
-    fresh_root = Path(str(shm_dir) + "-fresh")
-    try:
-        with MemStore(root=fresh_root, job_id="job", persist_to=str(second)) as fresh:
-            assert_tree_equal(sd, load(fresh, blank_like(sd), "a"))
-    finally:
-        subprocess.run(["rm", "-rf", str(fresh_root)], check=True)
+    with MemStore(root=fresh_root, job_id="job", persist_to=str(second)) as fresh:
+        assert_tree_equal(sd, load(fresh, blank_like(sd), "a"))
 
 
 _KILLED_UPLOADER = """
@@ -522,7 +512,7 @@ print("NOT-KILLED", flush=True)
 """
 
 
-def test_a_restart_uploads_again_what_was_removed_from_the_target(shm_dir, bucket_dir):
+def test_a_restart_uploads_again_what_was_removed_from_the_target(shm_dir, bucket_dir, fresh_root):
     """The persister is killed after its first file's upload; the half-uploaded directory is removed
     from the target (a clean-up), then the job restarts: the checkpoint is uploaded whole, not waited
     for forever."""
@@ -534,12 +524,8 @@ def test_a_restart_uploads_again_what_was_removed_from_the_target(shm_dir, bucke
     subprocess.run(["rm", "-rf", str(bucket_dir / "c")], check=True)
     with _pstore(shm_dir, bucket_dir, persist_on_close=False) as store:
         assert store.wait_persisted("c", timeout=30).persisted
-    fresh_root = Path(str(shm_dir) + "-fresh")
-    try:
-        with MemStore(root=fresh_root, job_id="job", persist_to=str(bucket_dir)) as fresh:
-            assert_tree_equal(_state(8), load(fresh, blank_like(_state(8)), "c"))
-    finally:
-        subprocess.run(["rm", "-rf", str(fresh_root)], check=True)
+    with MemStore(root=fresh_root, job_id="job", persist_to=str(bucket_dir)) as fresh:
+        assert_tree_equal(_state(8), load(fresh, blank_like(_state(8)), "c"))
 
 
 @pytest.mark.parametrize("verify", [True, False])

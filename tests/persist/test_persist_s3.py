@@ -97,7 +97,7 @@ print("STOCK-OK")
             subprocess.run(["rm", "-rf", str(fresh.layout.root)], check=True)
 
 
-def test_server_down_mid_upload_retries_while_training_goes_on(shm_dir, s3_bucket):
+def test_server_down_mid_upload_retries_while_training_goes_on(shm_dir, s3_bucket, fresh_root):
     server, url = s3_bucket
     states = [_state(i, mib=8) for i in range(3)]
     with _store(shm_dir, url, server, persist_every=1, keep_in_memory=1) as store:
@@ -116,13 +116,9 @@ def test_server_down_mid_upload_retries_while_training_goes_on(shm_dir, s3_bucke
         for cid in ("s0", "s1", "s2"):
             store.wait_persisted(cid, timeout=180)
         _wait_for(lambda: store.list_checkpoints() == ["s2"], 30, "eviction of persisted checkpoints")
-    fresh_root = Path(str(shm_dir) + "-fresh")
-    try:
-        with _store(fresh_root, url, server) as fresh:
-            for i, cid in enumerate(("s0", "s1", "s2")):
-                assert_tree_equal(states[i], load(fresh, blank_like(states[i]), cid))
-    finally:
-        subprocess.run(["rm", "-rf", str(fresh_root)], check=True)
+    with _store(fresh_root, url, server) as fresh:
+        for i, cid in enumerate(("s0", "s1", "s2")):
+            assert_tree_equal(states[i], load(fresh, blank_like(states[i]), cid))
 
 
 def test_backlog_wait_lets_saves_through_once_the_server_is_back(small_tmpfs, s3_bucket):
@@ -235,7 +231,7 @@ def test_bad_credentials_or_bucket_fail_clearly_and_publish_nothing(
             subprocess.run(["rm", "-rf", str(other.layout.root)], check=True)
 
 
-def test_an_id_published_by_another_save_is_refused_and_left_intact(shm_dir, s3_bucket):
+def test_an_id_published_by_another_save_is_refused_and_left_intact(shm_dir, s3_bucket, fresh_root):
     server, url = s3_bucket
     first, second = _state(1), _state(2)
     with _store(shm_dir, url, server, persist_every=1, keep_in_memory=3) as store:
@@ -246,16 +242,12 @@ def test_an_id_published_by_another_save_is_refused_and_left_intact(shm_dir, s3_
         with pytest.raises(PersistError, match="already holds another checkpoint"):
             store.wait_persisted("final", timeout=120)
         assert store.list_checkpoints() == ["final"]  # kept (held) in memory
-    fresh_root = Path(str(shm_dir) + "-fresh")
-    try:
-        with _store(fresh_root, url, server) as fresh:
-            assert_tree_equal(first, load(fresh, blank_like(first), "final"))
-    finally:
-        subprocess.run(["rm", "-rf", str(fresh_root)], check=True)
+    with _store(fresh_root, url, server) as fresh:
+        assert_tree_equal(first, load(fresh, blank_like(first), "final"))
 
 
 def test_a_checkpoint_deleted_and_saved_again_during_its_upload_is_persisted_as_the_new_save(
-    shm_dir, s3_bucket
+    shm_dir, s3_bucket, fresh_root
 ):
     """The upload of "c" waits for a frozen server; meanwhile "c" is deleted and saved again with other
     values (with the same sequence number: it was the newest) and the new save is persisted. Once the
@@ -279,12 +271,8 @@ def test_a_checkpoint_deleted_and_saved_again_during_its_upload_is_persisted_as_
         store.wait_persisted("c", timeout=120)
         saved = catalog.read_commit(store.layout, "c")
     assert remote_commit(PersistTarget(url, server.storage_options()), "c") == saved
-    fresh_root = Path(str(shm_dir) + "-fresh")
-    try:
-        with _store(fresh_root, url, server) as fresh:
-            assert_tree_equal(second, load(fresh, blank_like(second), "c"))
-    finally:
-        subprocess.run(["rm", "-rf", str(fresh_root)], check=True)
+    with _store(fresh_root, url, server) as fresh:
+        assert_tree_equal(second, load(fresh, blank_like(second), "c"))
 
 
 _CRASHING_SAVER = """
@@ -304,7 +292,9 @@ print("NOT-KILLED", flush=True)
 
 
 @pytest.mark.parametrize("point", ["persist-upload", "persist-publish"])
-def test_kill_during_upload_or_publication_never_lists_a_partial_checkpoint(shm_dir, s3_bucket, point):
+def test_kill_during_upload_or_publication_never_lists_a_partial_checkpoint(
+    shm_dir, s3_bucket, point, fresh_root
+):
     server, url = s3_bucket
     env = dict(os.environ, OPTS=json.dumps(server.storage_options()), DCP_MEMSTORE_CRASH_AT=f"{point}:0:1")
     code = textwrap.dedent(_CRASHING_SAVER.format(repo=str(REPO), root=str(shm_dir), url=url))
@@ -324,25 +314,17 @@ def test_kill_during_upload_or_publication_never_lists_a_partial_checkpoint(shm_
         assert store.status("c").persist in ("queued", "uploading", "persisted")
         store.wait_persisted("c", timeout=120)
         assert store.latest_checkpoint() == "c"
-    fresh_root = Path(str(shm_dir) + "-fresh")
-    try:
-        with _store(fresh_root, url, server) as fresh:
-            assert_tree_equal(_state(5, mib=2), load(fresh, blank_like(_state(5, mib=2)), "c"))
-    finally:
-        subprocess.run(["rm", "-rf", str(fresh_root)], check=True)
+    with _store(fresh_root, url, server) as fresh:
+        assert_tree_equal(_state(5, mib=2), load(fresh, blank_like(_state(5, mib=2)), "c"))
 
 
-def test_a_prefix_with_glob_characters_lists_its_checkpoints(shm_dir, s3_bucket):
+def test_a_prefix_with_glob_characters_lists_its_checkpoints(shm_dir, s3_bucket, fresh_root):
     """Checkpoints persisted under a prefix with a glob character in it are listed by a fresh node."""
     server, url = s3_bucket
     prefix, sd = f"{url}/run[1]", _state(6)
     with _store(shm_dir, prefix, server, persist_every=1) as store:
         save(store, sd, "c")
         store.wait_persisted("c", timeout=120)
-    fresh_root = Path(str(shm_dir) + "-fresh")
-    try:
-        with _store(fresh_root, prefix, server) as fresh:
-            assert fresh.latest_checkpoint() == "c"
-            assert_tree_equal(sd, load(fresh, blank_like(sd), "c"))
-    finally:
-        subprocess.run(["rm", "-rf", str(fresh_root)], check=True)
+    with _store(fresh_root, prefix, server) as fresh:
+        assert fresh.latest_checkpoint() == "c"
+        assert_tree_equal(sd, load(fresh, blank_like(sd), "c"))
