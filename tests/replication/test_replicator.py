@@ -54,10 +54,11 @@ def test_a_transfer_that_ends_after_its_checkpoint_was_saved_again_does_not_coun
         peers = two_node_peers(server.address[1])
         replicator = Replicator(layout, lambda: peers, transport, keep=2)
         try:
-            # the replicator runs at a lower CPU priority and makes the new save in its own thread: on a
-            # machine busy with other work that takes a while
+            # Until the new save's files are sent: between the delete and the new save's hold nothing is
+            # owed. The replicator runs at a lower CPU priority and makes the new save in its own thread,
+            # which a machine busy with other work slows down.
             deadline = time.monotonic() + 120
-            while ReplicaRecords(layout, cid).owed() and time.monotonic() < deadline:
+            while (len(sent) < 3 or ReplicaRecords(layout, cid).owed()) and time.monotonic() < deadline:
                 time.sleep(0.05)
         finally:
             replicator.close(10)
