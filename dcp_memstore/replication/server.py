@@ -14,7 +14,8 @@ node's upload state of a committed checkpoint towards the target the peer names 
 ``persist.progress``): a node that lacks the checkpoint tells from them whether it is being persisted.
 The ``commit`` op (the coordinator preparing, committing or aborting a checkpoint on this node; a prepare
 carries the manifest, whose SHA-256 the signed header names) is handed to the store's ``on_commit``
-callback; a server without one refuses it.
+callback; a server without one refuses it. Likewise ``replicated`` (a node's files of a checkpoint are
+all replicated, see ``safe_point``) goes to ``on_replicated``.
 
 where every component a peer names is checked with ``validate_name`` (no separators, no '..', no hidden
 names). A received file is size-capped, checked against the free memory, allocated in full before its
@@ -89,6 +90,8 @@ MAX_MANIFEST_BYTES = 1 << 30
 COMMIT_PHASES = ("prepare", "commit", "abort")
 # on_commit(checkpoint, phase, {"seq", "committed_at", "nbytes"}, manifest bytes) -> this node's next seq
 CommitHandler = Callable[[str, str, dict, bytes], int]
+# on_replicated(checkpoint, node, committed_at): node's files of that save are replicated
+ReplicatedHandler = Callable[[str, str, float], None]
 # The slowest RDMA rate a server waits for: after an rdma_put/rdma_get go-ahead the TCP connection is idle
 # while the peer moves the bytes, so the trailer may take io_timeout_s + size / this. A peer that dies
 # closes its connection, which ends the wait at once.
@@ -145,6 +148,7 @@ class PeerServer:
         auth_timeout_s: float = DEFAULT_AUTH_TIMEOUT_S,
         window_s: float = DEFAULT_WINDOW_S,
         on_commit: CommitHandler | None = None,
+        on_replicated: ReplicatedHandler | None = None,
         rdma: RdmaEndpoint | None = None,
     ) -> None:
         job_id = validate_name(job_id, "job id")
@@ -159,7 +163,7 @@ class PeerServer:
         self.max_file_bytes = max_file_bytes
         self.io_timeout_s = io_timeout_s
         self.auth_timeout_s = min(auth_timeout_s, io_timeout_s)
-        self.on_commit = on_commit
+        self.on_commit, self.on_replicated = on_commit, on_replicated
         self.rdma = rdma
         self.max_connections = max_connections
         self._lock = threading.Lock()
@@ -313,6 +317,7 @@ class PeerServer:
                     "put": self._op_put,
                     "get": self._op_get,
                     "commit": self._op_commit,
+                    "replicated": self._op_replicated,
                     "rdma_put": self._op_rdma_put,
                     "rdma_get": self._op_rdma_get,
                 }
@@ -576,6 +581,18 @@ class PeerServer:
         except (OSError, ValueError) as e:
             raise _Refusal("io_error", f"cannot {phase} checkpoint {checkpoint} on this node: {e}") from None
         self._reply(conn, nonce, {"next_seq": next_seq}, index=1 if size else 0)
+
+    def _op_replicated(self, conn: socket.socket, header: dict, nonce: bytes) -> None:
+        checkpoint = _name(header["checkpoint"], "checkpoint id")
+        node = _name(header["node"], "node")
+        if self.on_replicated is None:
+            raise _Refusal("bad_request", "this server takes no replication reports (it serves no store)")
+        try:
+            self.on_replicated(checkpoint, node, header["committed_at"])
+        except OSError as e:
+            why = f"cannot record {node}'s report on checkpoint {checkpoint}: {e}"
+            raise _Refusal("io_error", why) from None
+        self._reply(conn, nonce, {})
 
 
 def _listen(host: str, port: int) -> socket.socket:

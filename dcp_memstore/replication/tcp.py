@@ -244,6 +244,14 @@ class TcpTransport(Transport):
                 reply = call.reply("commit", nonce, index=1)
         return reply["next_seq"]
 
+    def replicated(self, peer_addr: PeerAddress, checkpoint: str, node: str, committed_at: float) -> None:
+        """Tell the peer's node that node ``node``'s files of the save of ``checkpoint`` committed at
+        ``committed_at`` are all replicated (see ``safe_point``); returns once it recorded that."""
+        checkpoint, node = validate_name(checkpoint, "checkpoint id"), validate_name(node, "node")
+        with self._call(peer_addr, f"reporting checkpoint {checkpoint} replicated") as call:
+            fields = {"checkpoint": checkpoint, "node": node, "committed_at": float(committed_at)}
+            call.request("replicated", fields)
+
     def stat(self, peer_addr: PeerAddress, checkpoint: str, persist_to: str | None = None) -> dict:
         checkpoint = validate_name(checkpoint, "checkpoint id")
         with self._call(peer_addr, f"asking what it holds of checkpoint {checkpoint}") as call:

@@ -31,6 +31,10 @@ Conversations (one or more per connection, after the hellos; every request is au
                                                           -> reply {next_seq}
             phase "prepare" carries the manifest (``digest``: its SHA-256, covered by the request's MAC);
             "commit" and "abort" carry no payload (size 0).
+    replicated: request {checkpoint, node, committed_at}     -> reply
+            node ``node``'s files of the save of ``checkpoint`` committed at ``committed_at`` are all
+            replicated (``safe_point``); the receiver records it if it has that save, and acknowledges
+            either way.
     rdma_put: request {source, checkpoint, file, size, qp}  -> reply {addr, rkey, qp} (go-ahead or refusal)
           (the sender RDMA-writes the bytes), trailer     -> reply (stored, or refused: checksum, ...)
     rdma_get: request {checkpoint, file, source, qp}      -> reply {size, addr, rkey, qp, checksum}
@@ -60,7 +64,8 @@ import msgpack
 import xxhash
 
 MAGIC = b"DCPM"
-VERSION = 3  # 2: requests name their server (field "to", see auth); 3: hellos, requests carry a challenge
+VERSION = 4  # 2: requests name their server (field "to", see auth); 3: hellos, requests carry a challenge;
+# 4: the replicated op
 PREFIX = MAGIC + bytes([VERSION]) + b"\0\0\0"
 _FRAME = struct.Struct(">8sI")  # prefix, header length
 MAX_HEADER_BYTES = 64 << 10
@@ -185,6 +190,7 @@ REQUESTS: dict[str, dict[str, Callable[[Any], bool]]] = {
         "size": _uint,
         "digest": _bytes,
     },
+    "replicated": {"checkpoint": _str, "node": _str, "committed_at": _float},
     "rdma_put": {"source": _str, "checkpoint": _str, "file": _str, "size": _uint, "qp": _optional(_qp_info)},
     "rdma_get": {"checkpoint": _str, "file": _str, "source": _optional(_str), "qp": _qp_info},
 }
@@ -201,6 +207,7 @@ REPLIES: dict[str, dict[str, Callable[[Any], bool]]] = {
     "put": {},
     "get": {"size": _uint},
     "commit": {"next_seq": _uint},
+    "replicated": {},
     "rdma_put": {"addr": _uint, "rkey": _u32, "qp": _optional(_qp_info)},  # the go-ahead
     "rdma_put_stored": {},  # the second reply to rdma_put: verified and kept
     "rdma_get": {"size": _uint, "addr": _uint, "rkey": _u32, "qp": _optional(_qp_info), "checksum": _uint},

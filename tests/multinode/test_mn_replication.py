@@ -40,6 +40,7 @@ attempts = {
     "get": lambda: t.get_file(peer, "step-2", "__0_0.shard", src.with_name("stolen"), layout=mine),
     "put": lambda: t.put_file(peer, "node9", "step-2", "__0_0.shard", src),
     "commit": lambda: t.commit(peer, "step-9", "prepare", {"seq": 9, "committed_at": 1.0, "nbytes": 0}, b"m"),
+    "replicated": lambda: t.replicated(peer, "step-2", "node9", 1.0),
 }
 out = {}
 for name, call in attempts.items():
@@ -137,7 +138,7 @@ def test_three_nodes_replicate_lose_a_node_restore_and_refuse_outsiders(cluster3
 
     assert outsider.returncode == 0, outsider.stderr
     assert json.loads(outsider.stdout.strip().splitlines()[-1]) == {
-        "ping": "auth", "stat": "auth", "get": "auth", "put": "auth", "commit": "auth",
+        "ping": "auth", "stat": "auth", "get": "auth", "put": "auth", "commit": "auth", "replicated": "auth",
         "garbage": "bad_request",
     }, outsider.stderr  # fmt: skip
     for i, evs in enumerate(saved):

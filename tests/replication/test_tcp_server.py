@@ -351,13 +351,13 @@ def test_a_node_of_another_release_gets_a_version_error(server, secret, monkeypa
     of this release reading the previous release's refusal of its hello says the same."""
     s = raw_connect(server.address, hello=False)
     body = msgpack.packb({"op": "ping"})
-    s.sendall(b"DCPM\x02\x00\x00\x00" + struct.pack(">I", len(body)) + body)  # framed as that release did
+    s.sendall(b"DCPM\x03\x00\x00\x00" + struct.pack(">I", len(body)) + body)  # framed as that release did
     error = refused(s, "bad_request")["error"]
-    assert "wire version 2 is not supported (this build speaks version 3)" in error
+    assert "wire version 3 is not supported (this build speaks version 4)" in error
     with socket.create_connection(server.address, timeout=10) as s, monkeypatch.context() as m:
-        m.setattr(wire, "VERSION", 2)  # reading as that release does
+        m.setattr(wire, "VERSION", 3)  # reading as that release does
         with pytest.raises(
-            wire.ProtocolError, match=r"version 3 is not supported \(this build speaks version 2"
+            wire.ProtocolError, match=r"version 4 is not supported \(this build speaks version 3"
         ):
             wire.recv_header(s)
 
@@ -368,8 +368,8 @@ def test_a_node_of_another_release_gets_a_version_error(server, secret, monkeypa
         conn, _ = old.accept()
         with conn:
             got.append(conn.recv(8))  # the prefix of the client's first frame, its hello
-            reply = msgpack.packb({"ok": False, "code": "bad_request", "error": "wire version 3 ..."})
-            conn.sendall(b"DCPM\x02\x00\x00\x00" + struct.pack(">I", len(reply)) + reply)
+            reply = msgpack.packb({"ok": False, "code": "bad_request", "error": "wire version 4 ..."})
+            conn.sendall(b"DCPM\x03\x00\x00\x00" + struct.pack(">I", len(reply)) + reply)
 
     t = threading.Thread(target=answer)
     t.start()
@@ -959,6 +959,20 @@ def test_commit_refused_without_a_store_or_when_the_store_fails(server, peer_roo
         assert e.value.code == "io_error"
         with pytest.raises(ValueError, match="checkpoint id"):  # refused before anything is sent
             transport.commit(srv.address, "../x", "prepare", rec, b"m")
+
+
+def test_a_replication_report_reaches_the_store_and_is_refused_without_one(
+    server, peer_root, secret, transport
+):
+    with pytest.raises(ReplicationError, match="takes no replication reports") as e:
+        transport.replicated(server.address, "step-1", "node1", 1.5)
+    assert e.value.code == "bad_request"
+    got = []
+    with PeerServer(peer_root, JOB, secret, "127.0.0.1", on_replicated=lambda *a: got.append(a)) as srv:
+        transport.replicated(srv.address, "step-1", "node1", 1.5)
+        with pytest.raises(ValueError, match="node"):  # refused before anything is sent
+            transport.replicated(srv.address, "step-1", "../node1", 1.5)
+    assert got == [("step-1", "node1", 1.5)]
 
 
 @contextlib.contextmanager

@@ -34,6 +34,7 @@ def _request(op: str = "put", **fields) -> dict:
         "stat": {"checkpoint": "step-1", "persist_to": None},
         "put": {"source": "node0", "checkpoint": "step-1", "file": "__0_0.shard", "size": 10},
         "get": {"checkpoint": "step-1", "file": "f", "source": None, "offset": 0, "length": None},
+        "replicated": {"checkpoint": "step-1", "node": "node1", "committed_at": 1.5},
     }.get(op, {})
     return {**base, **args, **fields}
 
@@ -48,7 +49,7 @@ def test_header_round_trip(pair):
 def test_frame_layout_is_magic_version_reserved_length_msgpack():
     frame = wire.pack_frame({"op": "end", "checksum": 7})
     body = msgpack.packb({"op": "end", "checksum": 7}, use_bin_type=True)
-    assert frame == b"DCPM\x03\x00\x00\x00" + struct.pack(">I", len(body)) + body
+    assert frame == b"DCPM\x04\x00\x00\x00" + struct.pack(">I", len(body)) + body
 
 
 def test_clean_eof_between_frames(pair):
@@ -73,13 +74,14 @@ def test_eof_mid_frame_is_a_connection_error(pair):
         (b"HTTP/1.1 200 OK\r\n\r\n", "magic"),
         (b"DCPM\x01\x00\x00\x00" + struct.pack(">I", 1) + b"\x80", "version 1 is not supported .* same"),
         (b"DCPM\x02\x00\x00\x00" + struct.pack(">I", 1) + b"\x80", "version 2 is not supported"),
-        (b"DCPM\x03\x00\x01\x00" + struct.pack(">I", 1) + b"\x80", "reserved"),
-        (b"DCPM\x03\x00\x00\x00" + struct.pack(">I", 0), "header length 0"),
-        (b"DCPM\x03\x00\x00\x00" + struct.pack(">I", wire.MAX_HEADER_BYTES + 1), "header length"),
-        (b"DCPM\x03\x00\x00\x00" + struct.pack(">I", 1) + b"\xc1", "not valid msgpack"),  # 0xc1: never used
-        (b"DCPM\x03\x00\x00\x00" + struct.pack(">I", 2) + b"\x80\x80", "not valid msgpack"),  # trailing data
-        (b"DCPM\x03\x00\x00\x00" + struct.pack(">I", 1) + b"\x90", "must be a msgpack map"),
-        (b"DCPM\x03\x00\x00\x00" + struct.pack(">I", 3) + b"\x81\x01\x02", "not valid msgpack"),  # int key
+        (b"DCPM\x03\x00\x00\x00" + struct.pack(">I", 1) + b"\x80", "version 3 is not supported"),
+        (b"DCPM\x04\x00\x01\x00" + struct.pack(">I", 1) + b"\x80", "reserved"),
+        (b"DCPM\x04\x00\x00\x00" + struct.pack(">I", 0), "header length 0"),
+        (b"DCPM\x04\x00\x00\x00" + struct.pack(">I", wire.MAX_HEADER_BYTES + 1), "header length"),
+        (b"DCPM\x04\x00\x00\x00" + struct.pack(">I", 1) + b"\xc1", "not valid msgpack"),  # 0xc1: never used
+        (b"DCPM\x04\x00\x00\x00" + struct.pack(">I", 2) + b"\x80\x80", "not valid msgpack"),  # trailing data
+        (b"DCPM\x04\x00\x00\x00" + struct.pack(">I", 1) + b"\x90", "must be a msgpack map"),
+        (b"DCPM\x04\x00\x00\x00" + struct.pack(">I", 3) + b"\x81\x01\x02", "not valid msgpack"),  # int key
     ],
 )
 def test_malformed_frames_refused(pair, raw, match):
@@ -117,7 +119,7 @@ def test_a_header_trickling_in_past_its_deadline_is_a_timeout(pair):
 def test_oversized_header_refused_from_its_length_alone(pair):
     """The limit is checked before the body is read: a peer cannot make us buffer a huge header."""
     a, b = pair
-    a.sendall(b"DCPM\x03\x00\x00\x00" + struct.pack(">I", 1 << 31))  # announces 2 GiB, sends nothing more
+    a.sendall(wire.PREFIX + struct.pack(">I", 1 << 31))  # announces 2 GiB, sends nothing more
     with pytest.raises(wire.ProtocolError, match="header length"):
         wire.recv_header(b)
 
@@ -125,7 +127,7 @@ def test_oversized_header_refused_from_its_length_alone(pair):
 def test_deeply_nested_header_refused(pair):
     a, b = pair
     body = b"\x91" * 10_000 + b"\x80"
-    a.sendall(b"DCPM\x03\x00\x00\x00" + struct.pack(">I", len(body)) + body)
+    a.sendall(wire.PREFIX + struct.pack(">I", len(body)) + body)
     with pytest.raises(wire.ProtocolError):
         wire.recv_header(b)
 
@@ -135,7 +137,7 @@ def test_pack_frame_refuses_oversized_header():
         wire.pack_frame({"op": "stat", "junk": "x" * (wire.MAX_HEADER_BYTES + 1)})
 
 
-@pytest.mark.parametrize("op", ["ping", "stat", "put", "get"])
+@pytest.mark.parametrize("op", ["ping", "stat", "put", "get", "replicated"])
 def test_valid_requests_pass(op):
     assert wire.validate_request(_request(op)) == op
 
@@ -163,6 +165,7 @@ def test_valid_requests_pass(op):
         (_request(job=["job"]), "'job' must be a str"),
         (_request("get", source=1), "'source' must be a str or nil"),
         (_request("get", length=-5), "'length' must be an unsigned 64-bit int or nil"),
+        (_request("replicated", committed_at=1), "'committed_at' must be a float"),
         (_request(checkpoint=msgpack.ExtType(1, b"x")), "'checkpoint' must be a str"),
     ],
 )
