@@ -24,6 +24,7 @@ from dcp_memstore.persist.remote_read import RemoteCheckpoint
 from dcp_memstore.persist.target import PersistTarget
 from dcp_memstore.persisting import PersistingStore, optional_timeout
 from dcp_memstore.replicating import ReplicatingStore
+from dcp_memstore.replication import safe_point
 from dcp_memstore.replication.auth import check_secret
 from dcp_memstore.replication.cluster_read import ClusterCheckpoint
 from dcp_memstore.replication.peers import Peers
@@ -457,8 +458,11 @@ class MemStore(PersistingStore, ReplicatingStore):
         """Retention after a commit on this node: evict beyond ``keep_in_memory`` (with the replicas and
         fetched files of evicted checkpoints, and those of checkpoints this node no longer has), trim the
         pools of reusable files, wake the replicator."""
-        # without persist_to, no upload will ever release a persist hold (one left by an earlier run)
-        catalog.evict(self.layout, self.keep_in_memory, () if self.target is not None else (PERSIST_HOLD,))
+        # without persist_to, no upload will ever release a persist hold (one left by an earlier run);
+        # without replication, no report will move the safe point (holds left by a multi-node run)
+        ignored = () if self.target is not None else (PERSIST_HOLD,)
+        ignored += () if self._replicating() else safe_point.HOLDS
+        catalog.evict(self.layout, self.keep_in_memory, ignored)
         catalog.drop_stale_copies(self.layout)
         self._trim_pools()
         if self._service is not None:

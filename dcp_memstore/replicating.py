@@ -21,6 +21,7 @@ import torch.distributed as dist
 from dcp_memstore.errors import CommitError
 from dcp_memstore.persist.persister import local_rank_and_size
 from dcp_memstore.persist.progress import Progress, is_owed
+from dcp_memstore.replication import safe_point
 from dcp_memstore.replication.cluster_read import ClusterCheckpoint
 from dcp_memstore.replication.peers import Peers, default_bind_host
 from dcp_memstore.replication.recovery import inventory, orphans, restore, resync, take_over, unheld
@@ -207,6 +208,7 @@ class ReplicatingStore:
                     secret=self._secret,
                     transport=self.transport,
                     on_commit=self._commit_here,
+                    on_replicated=self._replicated_elsewhere,
                     timeout_s=self.stage_timeout_s,
                     io_timeout_s=self.replication_timeout_s,
                     keep=self.keep_in_memory,
@@ -294,6 +296,21 @@ class ReplicatingStore:
             (directory / PREPARED).unlink(missing_ok=True)
             self.after_commit()
         return catalog.next_seq(self.layout)
+
+    def _replicated_elsewhere(self, checkpoint_id: str, node: str, committed_at: float) -> None:
+        """The peer server's handler of a report from node ``node``: its files of the save of
+        ``checkpoint_id`` committed at ``committed_at`` are replicated. Recorded if this node has that
+        save (committed, or prepared and its commit on the way), which may move the safe point
+        (``safe_point``); a report on a save this node no longer has (evicted, deleted, saved again) is
+        dropped: its copy here cannot serve a restore."""
+        cid = validate_name(checkpoint_id)
+        done = catalog.read_commit(self.layout, cid)
+        if done is not None:
+            ours = done.committed_at == committed_at
+        else:
+            ours = catalog.prepared(self.layout).get(cid, {}).get("committed_at") == committed_at
+        if ours and safe_point.Reports(self.layout, cid).record(node, committed_at):
+            safe_point.advance(self.layout, self._service.node.nnodes, self.keep_in_memory)
 
     def wait_replicated(self, checkpoint_id: str, timeout: float | None = None) -> CheckpointStatus:
         """Block until this node's files of ``checkpoint_id`` are acknowledged by every replica node.

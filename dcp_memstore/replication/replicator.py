@@ -10,17 +10,25 @@ checkpoint under-replicated (state ``retrying`` with the error), retried with ex
 Work is split by file: the local rank equal to the file's writer rank modulo the ranks per node sends it,
 to the server of the same local rank on the target node. Records (``TierProgress``, tier ``replicate``):
 ``done`` group ``to-node<t>`` per target, state ``<rank>-node<t>`` per process and target.
+
+Once every file is acknowledged, the checkpoint takes the ``awaiting-peers`` hold before ``replicate`` is
+released, and local rank 0's replicator tells every other node that this node's files of it are
+replicated (``safe_point``), retried with the same backoff until each peer acknowledged. A report
+received, or this node's own, may move the job's safe point, which evicts what it no longer keeps.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
 
+from dcp_memstore.replication import safe_point
 from dcp_memstore.replication.peers import Peers, node_name
+from dcp_memstore.replication.tcp import TcpTransport
 from dcp_memstore.replication.transport import Transport
 from dcp_memstore.store import catalog
 from dcp_memstore.store.layout import MANIFEST, StoreLayout, file_rank
@@ -57,10 +65,16 @@ class ReplicaRecords(TierProgress):
     def missing(self, files: dict[str, int], target: int) -> set[str]:
         return set(files) - self.done_files(to(target))
 
-    def settle(self, files: dict[str, int], targets: list[int]) -> bool:
-        """Release the hold if every file reached every target; return whether it released one."""
+    def settle(self, files: dict[str, int], targets: list[int], node: str, committed_at: float) -> bool:
+        """Release the hold if every file reached every target, once this node (``node``) awaits its
+        peers' replicas of the save committed at ``committed_at`` (see ``safe_point``); return whether it
+        released one."""
         if not self.owed() or any(self.missing(files, t) for t in targets):
             return False
+        try:
+            safe_point.await_peers(self.layout, self.checkpoint_id, node, committed_at)
+        except FileNotFoundError:
+            return False  # deleted meanwhile
         catalog.release(self.layout, self.checkpoint_id, REPLICA_HOLD)
         return True
 
@@ -120,15 +134,22 @@ class Replicator:
     """Sends this node's files of every committed checkpoint that owes replicas (see module docstring).
 
     ``peers`` is called (in the thread) to get the job's ``Peers``; it may block until every rank has
-    announced its server."""
+    announced its server. ``transport`` moves files; ``control`` carries the reports (``safe_point``)."""
 
     def __init__(
-        self, layout: StoreLayout, peers: Callable[[], Peers], transport: Transport, keep: int
+        self,
+        layout: StoreLayout,
+        peers: Callable[[], Peers],
+        transport: Transport,
+        keep: int,
+        control: TcpTransport,
     ) -> None:
         self.layout, self._peers, self.transport, self.keep = layout, peers, transport, keep
+        self.control = control
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._retry_at: dict[int, tuple[float, float]] = {}  # target -> (next attempt, current backoff)
+        self._report_retry_at: dict[int, tuple[float, float]] = {}  # peer node -> the same, for reports
         self._thread = threading.Thread(target=self._run, name="dcp_memstore_replicate", daemon=True)
         self._thread.start()
 
@@ -155,6 +176,7 @@ class Replicator:
                     break
                 try:
                     self._replicate(peers, rec)
+                    self._report(peers, rec)
                 except Exception:  # noqa: BLE001 - e.g. deleted under us; the thread must go on
                     log.exception("replicator: checkpoint %r", rec.checkpoint_id)
             self._wake.wait(POLL_S)
@@ -200,15 +222,50 @@ class Replicator:
             else:
                 if mine:
                     records.report(f"{peers.node.rank}-{node_name(t)}", "replicated", target=t)
-        if records.settle(files, targets):
-            catalog.evict(self.layout, self.keep)  # it may have been kept past its turn only for this
+        if records.settle(files, targets, peers.name, rec.committed_at):
+            # this report may complete a newer safe point; it may have been kept past its turn for this
+            safe_point.advance(self.layout, peers.node.nnodes, self.keep)
+
+    def _report(self, peers: Peers, rec: catalog.CommitRecord) -> None:
+        """Tell every other node that hasn't acknowledged it yet that this node's files of save ``rec``
+        are replicated (local rank 0 only; a peer that fails is retried with backoff)."""
+        if peers.node.local_rank != 0:
+            return
+        reports = safe_point.Reports(self.layout, rec.checkpoint_id)
+        if peers.name not in reports.reporters(rec.committed_at):
+            return
+        told = reports.done_files("told")
+        for n in peers.other_nodes():
+            if node_name(n) in told or time.monotonic() < self._report_retry_at.get(n, (0.0, 0.0))[0]:
+                continue
+            try:
+                self.control.replicated(peers.server(n, 0), rec.checkpoint_id, peers.name, rec.committed_at)
+            except Exception as e:  # noqa: BLE001 - any failure: this peer is told later
+                delay = _backoff(self._report_retry_at, n)
+                log.warning(
+                    "telling %s that checkpoint %r is replicated failed, retrying in %.1f s: %s",
+                    node_name(n), rec.checkpoint_id, delay, e,
+                )  # fmt: skip
+                continue
+            self._report_retry_at.pop(n, None)
+            if not same_save(self.layout, rec):
+                return
+            with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
+                reports.mark_done(node_name(n), "told")
 
     def _failed(self, records: ReplicaRecords, peers: Peers, t: int, cid: str, f: str, e: Exception) -> None:
-        _, delay = self._retry_at.get(t, (0.0, BACKOFF_START_S / 2))
-        delay = min(BACKOFF_MAX_S, delay * 2)
-        self._retry_at[t] = (time.monotonic() + delay, delay)
+        delay = _backoff(self._retry_at, t)
         records.report(f"{peers.node.rank}-{node_name(t)}", "retrying", str(e), target=t)
         log.warning(
             "replicating checkpoint %r (file %s) to %s failed, retrying in %.1f s: %s",
             cid, f, node_name(t), delay, e,
         )  # fmt: skip
+
+
+def _backoff(retry_at: dict[int, tuple[float, float]], node: int) -> float:
+    """Put off the next attempt towards ``node`` in ``retry_at`` (doubling from BACKOFF_START_S up to
+    BACKOFF_MAX_S); return the delay."""
+    _, delay = retry_at.get(node, (0.0, BACKOFF_START_S / 2))
+    delay = min(BACKOFF_MAX_S, delay * 2)
+    retry_at[node] = (time.monotonic() + delay, delay)
+    return delay

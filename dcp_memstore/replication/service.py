@@ -20,7 +20,7 @@ from dcp_memstore.replication.placement import NodeInfo
 from dcp_memstore.replication.rdma import RdmaTransport
 from dcp_memstore.replication.replicator import Replicator
 from dcp_memstore.replication.select import choose_transport
-from dcp_memstore.replication.server import CommitHandler, PeerServer
+from dcp_memstore.replication.server import CommitHandler, PeerServer, ReplicatedHandler
 from dcp_memstore.replication.tcp import TcpTransport
 from dcp_memstore.store.layout import StoreLayout
 
@@ -47,9 +47,11 @@ class ReplicationService:
     """The peer server and replicator of one process of job ``job_id`` (see module docstring).
 
     ``k``: replicas of each node's files (0: none; commits still reach every node). ``on_commit`` commits
-    a checkpoint on this node when the coordinator says so. ``timeout_s`` bounds the wait for other ranks
-    to announce their servers; ``io_timeout_s`` how long a peer may stay silent in a transfer; ``keep`` the
-    store's ``keep_in_memory`` (a checkpoint whose replicas are done is evicted if it is past its turn)."""
+    a checkpoint on this node when the coordinator says so; ``on_replicated`` records another node's
+    report that its files of a checkpoint are replicated (``safe_point``). ``timeout_s`` bounds the wait
+    for other ranks to announce their servers; ``io_timeout_s`` how long a peer may stay silent in a
+    transfer; ``keep`` the store's ``keep_in_memory`` (a checkpoint whose replicas are done is evicted if
+    it is past its turn)."""
 
     def __init__(
         self,
@@ -61,6 +63,7 @@ class ReplicationService:
         secret: bytes | str | None,
         transport: str,
         on_commit: CommitHandler,
+        on_replicated: ReplicatedHandler,
         timeout_s: float,
         io_timeout_s: float,
         keep: int,
@@ -85,6 +88,7 @@ class ReplicationService:
                 self.secret,
                 bind_host,
                 on_commit=on_commit,
+                on_replicated=on_replicated,
                 rdma=endpoint,
                 io_timeout_s=io_timeout_s,
             )
@@ -96,7 +100,7 @@ class ReplicationService:
         host, port = self.server.address
         announce(self._store, layout.job_id, node.rank, (announced_host(host), port))
         if k and node.multi_node:
-            self.replicator = Replicator(layout, self.peers, self._data, keep)
+            self.replicator = Replicator(layout, self.peers, self._data, keep, self.control)
         log.info(
             "replication: node %d of %d, rank %d serving on %s:%d, %d replica(s) per file",
             node.node_rank, node.nnodes, node.rank, host, port, min(k, node.nnodes - 1),

@@ -12,6 +12,10 @@
           what it says of step N while the test keeps the target unreadable: before node 0 is asked,
           while node 0's upload retries, then (waiting) once the target is back, and once more after
           it is published, with the target unreadable again.
+          With ``--gate N``, once every node's files of step N are replicated, wait for the test's
+          go-ahead (file ``go``) before the next step. With ``--hang``, wait after the saves until the
+          test kills the job. With ``--settle``, wait after the saves until this node keeps only the
+          newest ``--keep`` checkpoints and report them with their retention holds.
     load: ``latest_checkpoint()``, then ``dcp.load`` into fresh tensors and compare bit for bit with what
           that step saved (the world size may differ from the save's); with ``--wait-persisted N``, every
           rank then waits for step N's upload and reports how it ended.
@@ -36,6 +40,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from dcp_memstore import MemoryStorageReader, MemoryStorageWriter, MemStore
+from dcp_memstore.store import catalog
 
 ROW = 1024  # floats per row: 4 KiB
 
@@ -80,6 +85,16 @@ def save(args, store: MemStore, mesh) -> None:
             emit(
                 event="persisted", step=step, url=st.persisted_url, files=[st.files_uploaded, st.files_total]
             )
+        if step == args.gate:
+            store.wait_replicated(cid, timeout=60)
+            dist.barrier()
+            emit(event="gate", step=step)
+            wait_for(Path(args.tmp) / "go", 120)
+    if args.hang:
+        emit(event="hanging")
+        wait_for(Path(args.tmp) / "never", 300)
+    if args.settle:
+        settle(store, args.keep)
     if args.owe and dist.get_rank() == args.owe_rank:
         owe(store, f"step-{args.owe}")
     if args.elsewhere:
@@ -92,6 +107,15 @@ def save(args, store: MemStore, mesh) -> None:
         wait_for(Path(args.tmp) / args.serve_until, 120)
         st = store.status(f"step-{args.steps}")
         emit(event="after-probe", replication=st.replication, listed=store.list_checkpoints())
+
+
+def settle(store: MemStore, keep: int, timeout: float = 60) -> None:
+    """Wait until this node keeps only its newest ``keep`` checkpoints; report them with their holds."""
+    deadline = time.monotonic() + timeout
+    while len(listed := store.list_checkpoints()) > keep and time.monotonic() < deadline:
+        time.sleep(0.05)
+    holds = {c: catalog.hold_names(store.layout, c) for c in listed}
+    emit(event="settled", listed=listed, holds=holds)
 
 
 def owe(store: MemStore, cid: str) -> None:
@@ -245,6 +269,9 @@ def main() -> None:
     p.add_argument("--elsewhere", type=int, default=0, help="after saving, this step's status off node 1")
     p.add_argument("--unreachable", type=int, default=0, help="as --elsewhere, the target unreadable")
     p.add_argument("--serve-until", default=None, help="after saving, serve until this file appears in --tmp")
+    p.add_argument("--gate", type=int, default=0, help="after this step is replicated, wait for --tmp/go")
+    p.add_argument("--hang", action="store_true", help="after saving, wait to be killed")
+    p.add_argument("--settle", action="store_true", help="after saving, wait until --keep are left")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     dist.init_process_group("gloo")

@@ -52,7 +52,7 @@ def test_a_transfer_that_ends_after_its_checkpoint_was_saved_again_does_not_coun
         SavedAgainDuringTheFirstTransfer("job", SECRET, timeout_s=10) as transport,
     ):
         peers = two_node_peers(server.address[1])
-        replicator = Replicator(layout, lambda: peers, transport, keep=2)
+        replicator = Replicator(layout, lambda: peers, transport, keep=2, control=transport)
         try:
             # Until the new save's files are sent: between the delete and the new save's hold nothing is
             # owed. The replicator runs at a lower CPU priority and makes the new save in its own thread,

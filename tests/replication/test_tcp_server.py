@@ -989,6 +989,7 @@ def one_rank_service(layout: StoreLayout, pg_dir: Path, timeout_s: float, io_tim
             secret=None,
             transport="tcp",
             on_commit=lambda *a: None,
+            on_replicated=lambda *a: None,
             timeout_s=timeout_s,
             io_timeout_s=io_timeout_s,
             keep=2,

@@ -1,0 +1,51 @@
+"""The safe point's retention rules on one store (real checkpoints on /dev/shm, reports recorded as the
+peer server records them): which checkpoints it keeps, that it lets the old one go, and that a store
+without replication ignores what a multi-node run left. The rule across real nodes is in
+tests/multinode/test_mn_safe_point.py."""
+
+from __future__ import annotations
+
+from dcp_memstore import MemStore
+from dcp_memstore.replication import safe_point
+from dcp_memstore.store import catalog
+from tests.replication.test_replicator import save
+
+
+def replicated_here(layout, cid: str) -> float:
+    """What the replicator does once this node's (node0's) files of ``cid`` are acknowledged."""
+    at = catalog.read_commit(layout, cid).committed_at
+    safe_point.await_peers(layout, cid, "node0", at)
+    return at
+
+
+def test_the_newest_checkpoint_every_node_reported_is_kept_until_a_newer_one_is(shm_dir):
+    with MemStore(root=shm_dir, job_id="job", io_threads=1, keep_in_memory=3) as store:
+        layout = store.layout
+        for cid in ("s1", "s2", "s3"):
+            save(store, cid, 1.0)
+        at = {cid: replicated_here(layout, cid) for cid in ("s1", "s2", "s3")}
+        safe_point.Reports(layout, "s1").record("node1", at["s1"])
+        assert safe_point.advance(layout, nnodes=2, keep=1) == "s1"
+        # s2 and s3: node1's files not yet replicated; s1 is what a lost node resumes from
+        assert {c: catalog.holds(layout, c) for c in store.list_checkpoints()} == {
+            "s1": ["safe-point"], "s2": ["awaiting-peers"], "s3": ["awaiting-peers"],
+        }  # fmt: skip
+
+        safe_point.Reports(layout, "s2").record("node1", at["s2"] - 1)  # of an earlier save of s2
+        assert safe_point.advance(layout, nnodes=2, keep=1) == "s1"
+        safe_point.Reports(layout, "s3").record("node1", at["s3"])
+        assert safe_point.advance(layout, nnodes=2, keep=1) == "s3"
+        assert store.list_checkpoints() == ["s3"]  # s1 and s2 evicted: the old safe point is let go
+        assert catalog.holds(layout, "s3") == ["safe-point"]
+
+        store.delete("s3")  # the user can still delete it
+        assert store.list_checkpoints() == [] and safe_point.advance(layout, nnodes=2, keep=1) is None
+
+
+def test_a_store_without_replication_evicts_what_a_multi_node_run_held_as_its_safe_point(shm_dir):
+    """A job restarted on one node: no report will ever move the safe point, so its holds don't count."""
+    with MemStore(root=shm_dir, job_id="job", io_threads=1, keep_in_memory=1) as store:
+        save(store, "s1", 1.0)
+        catalog.hold(store.layout, "s1", "safe-point")  # as the multi-node run left it
+        save(store, "s2", 2.0)
+        assert store.list_checkpoints() == ["s2"]
