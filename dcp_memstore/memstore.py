@@ -29,7 +29,7 @@ from dcp_memstore.replication.auth import check_secret
 from dcp_memstore.replication.cluster_read import ClusterCheckpoint
 from dcp_memstore.replication.peers import Peers
 from dcp_memstore.replication.recovery import inventory, readable
-from dcp_memstore.replication.replicator import ReplicaRecords, node_files
+from dcp_memstore.replication.replicator import REPLICA_HOLD, ReplicaRecords, node_files
 from dcp_memstore.replication.select import TRANSPORTS
 from dcp_memstore.replication.service import ReplicationService
 from dcp_memstore.replication.tcp import TcpTransport
@@ -44,6 +44,7 @@ from dcp_memstore.store.pool import FilePool
 from dcp_memstore.store.reserve import stop_reservations
 
 log = logging.getLogger(__name__)
+_REPLICATION_HOLDS = (REPLICA_HOLD, *safe_point.HOLDS)  # retention holds that replication places
 
 DEFAULT_ROOT = "/dev/shm/dcp_memstore"
 ENV_ROOT = "DCP_MEMSTORE_ROOT"
@@ -497,6 +498,7 @@ class MemStore(PersistingStore, ReplicatingStore):
             except InsufficientSpaceError as e:
                 owed = self._owed()
                 if not owed:
+                    self._full_of_replication(e)
                     raise
                 if self.target is None:
                     raise InsufficientSpaceError(
@@ -524,6 +526,26 @@ class MemStore(PersistingStore, ReplicatingStore):
                     f"{len(owed)} checkpoint(s) held in memory until uploaded to {self.target.url}: "
                     f"{owed}; {why}",
                 ) from None
+
+    def _full_of_replication(self, e: InsufficientSpaceError) -> None:
+        """Raise ``e`` again, naming the checkpoints that replication keeps in memory, if there are any."""
+        kept = {}
+        for r in catalog.committed(self.layout):
+            reasons = [h for h in catalog.holds(self.layout, r.checkpoint_id) if h in _REPLICATION_HOLDS]
+            if reasons:
+                kept[r.checkpoint_id] = reasons
+        if kept:
+            raise InsufficientSpaceError(
+                e.root,
+                e.needed,
+                e.free,
+                f"{len(kept)} checkpoint(s) kept in memory for replication: {kept} (replicate: this node's "
+                "files are not yet on their replica nodes; awaiting-peers: other nodes' files are not yet "
+                "replicated; safe-point: the newest checkpoint replicated on every node, kept until a newer "
+                "one is). A peer is slow or unreachable (see store.status(id).replicas and the WARNING lines "
+                "of the replicator), or memory is sized for no checkpoint beyond keep_in_memory: see Sizing "
+                "in docs/operations.md",
+            ) from None
 
     def delete(self, checkpoint_id: str) -> None:
         """Remove a committed checkpoint from this node's store and free its memory, except the shard files

@@ -1,14 +1,23 @@
 """The safe point's retention rules on one store (real checkpoints on /dev/shm, reports recorded as the
-peer server records them): which checkpoints it keeps, that it lets the old one go, and that a store
-without replication ignores what a multi-node run left. The rule across real nodes is in
-tests/multinode/test_mn_safe_point.py."""
+peer server records them): which checkpoints it keeps, that it lets the old one go, that a store without
+replication ignores what a multi-node run left, and that a full memory says what replication keeps. The
+rule across real nodes is in tests/multinode/test_mn_safe_point.py."""
 
 from __future__ import annotations
 
-from dcp_memstore import MemStore
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_memstore import MemoryStorageWriter, MemStore
 from dcp_memstore.replication import safe_point
+from dcp_memstore.replication.replicator import ReplicaRecords
 from dcp_memstore.store import catalog
 from tests.replication.test_replicator import save
+
+
+def dcp_save(store: MemStore, sd: dict, cid: str) -> None:
+    dcp.save(sd, checkpoint_id=cid, storage_writer=MemoryStorageWriter(store), no_dist=True)
 
 
 def replicated_here(layout, cid: str) -> float:
@@ -49,3 +58,18 @@ def test_a_store_without_replication_evicts_what_a_multi_node_run_held_as_its_sa
         catalog.hold(store.layout, "s1", "safe-point")  # as the multi-node run left it
         save(store, "s2", 2.0)
         assert store.list_checkpoints() == ["s2"]
+
+
+def test_memory_full_of_checkpoints_kept_for_replication_is_a_clear_error(small_tmpfs):
+    """Checkpoints kept for replication are never evicted to make room: the save fails naming them."""
+    sd = {"w": torch.randn(512, 1024)}  # 2 MiB per checkpoint in an 8 MiB tmpfs
+    with MemStore(root=small_tmpfs, job_id="job", io_threads=1, keep_in_memory=1) as store:
+        saved = []
+        with pytest.raises(BaseException) as ei:  # noqa: B017 - DCP wraps it
+            for i in range(5):
+                dcp_save(store, sd, f"s{i}")
+                ReplicaRecords(store.layout, f"s{i}").hold()  # a peer that does not take replicas
+                saved.append(f"s{i}")
+        assert "kept in memory for replication" in str(ei.value)
+        assert f"{saved[0]!r}: ['replicate']" in str(ei.value)
+        assert store.list_checkpoints() == saved and len(saved) >= 2
