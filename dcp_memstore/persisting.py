@@ -50,14 +50,17 @@ class PersistingStore:
                 "this MemStore has no persist_to; pass persist_to='s3://bucket/prefix' or a directory"
             )
         cid = validate_name(checkpoint_id)
-        if catalog.read_commit(self.layout, cid) is None:
-            if remote_commit(self.target, cid) is not None:
-                return
-            self.require_checkpoint(cid)
-        Progress(self.layout, cid, self.target.url).request("on demand")
-        if catalog.read_commit(self.layout, cid) is None:  # evicted or deleted while we placed the hold
+        try:
+            if catalog.read_commit(self.layout, cid) is not None:
+                Progress(self.layout, cid, self.target.url).request("on demand")
+        except FileNotFoundError:  # evicted or deleted before the hold was placed: its holds went with it
+            if catalog.read_commit(self.layout, cid) is not None:
+                raise
+        if catalog.read_commit(self.layout, cid) is None:  # unknown, or evicted or deleted meanwhile
             catalog.release(self.layout, cid, PERSIST_HOLD)
-            self.require_checkpoint(cid)
+            if remote_commit(self.target, cid) is None:
+                self.require_checkpoint(cid)
+            return
         if self._persister is not None:
             self._persister.wake()
 

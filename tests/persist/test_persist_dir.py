@@ -477,6 +477,33 @@ def test_persist_of_an_unknown_checkpoint_names_those_that_exist(shm_dir, bucket
             store.persist("../a")
 
 
+def test_persist_of_a_checkpoint_evicted_as_its_hold_is_placed_names_those_that_exist(
+    shm_dir, bucket_dir, monkeypatch
+):
+    """Evicted between persist()'s look at its commit and the placing of its hold (the holds directory is
+    gone with it): the same FileNotFoundError as for an unknown id, naming the checkpoints that exist, not
+    one about ``<checkpoint>/holds``. The eviction is injected at that point (a patched read), since no
+    real timing can hit the gap reliably."""
+    with _pstore(shm_dir, bucket_dir, persist_on_close=False) as store:
+        save(store, _state(1), "a")
+        save(store, _state(2), "b")
+        real = Progress.persisted
+        evictions = []
+
+        def evicted_first(progress):
+            if not evictions:
+                evictions.append(progress.checkpoint_id)
+                catalog.discard(store.layout, store.layout.checkpoint_dir(progress.checkpoint_id))
+            return real(progress)
+
+        monkeypatch.setattr(Progress, "persisted", evicted_first)
+        with pytest.raises(
+            FileNotFoundError, match=r"'a' not found in store .*committed checkpoints: \['b'\]"
+        ):
+            store.persist("a")
+        assert evictions == ["a"]
+
+
 def test_a_checkpoint_persisted_elsewhere_is_not_reported_persisted_to_a_new_target(
     shm_dir, tmp_path, fresh_root
 ):
