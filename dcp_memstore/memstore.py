@@ -33,7 +33,7 @@ from dcp_memstore.replication.replicator import REPLICA_HOLD, ReplicaRecords, no
 from dcp_memstore.replication.select import TRANSPORTS
 from dcp_memstore.replication.service import ReplicationService
 from dcp_memstore.replication.tcp import TcpTransport
-from dcp_memstore.status import CheckpointStatus
+from dcp_memstore.status import NOT_IN_MEMORY, CheckpointStatus
 from dcp_memstore.store import catalog, liveness, space
 from dcp_memstore.store.collective import all_gather_records, dist_active
 from dcp_memstore.store.environment import LOCAL_WORLD_SIZE_MEANING, env_int
@@ -444,7 +444,9 @@ class MemStore(PersistingStore, ReplicatingStore):
         state (see CheckpointStatus)."""
         self.check_open()
         st = self._persist_status(checkpoint_id)
-        if st.in_memory and self._replicating():
+        if not st.in_memory and self._replicating():  # its files here are replicated by no one
+            st = dataclasses.replace(st, replication=NOT_IN_MEMORY)
+        elif st.in_memory and self._replicating():
             files = node_files(self.layout, st.checkpoint_id)
             replicas = ReplicaRecords(self.layout, st.checkpoint_id).peer_states(
                 files, self._peers_now().targets()

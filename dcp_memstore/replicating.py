@@ -28,7 +28,7 @@ from dcp_memstore.replication.recovery import inventory, orphans, restore, resyn
 from dcp_memstore.replication.service import ReplicationService, job_node_info
 from dcp_memstore.replication.tcp import TcpTransport
 from dcp_memstore.replication.transport import format_peer
-from dcp_memstore.status import CheckpointStatus
+from dcp_memstore.status import NOT_IN_MEMORY, CheckpointStatus
 from dcp_memstore.store import catalog
 from dcp_memstore.store.collective import dist_active
 from dcp_memstore.store.ids import validate_name
@@ -314,13 +314,20 @@ class ReplicatingStore:
 
     def wait_replicated(self, checkpoint_id: str, timeout: float | None = None) -> CheckpointStatus:
         """Block until this node's files of ``checkpoint_id`` are acknowledged by every replica node.
-        Returns at once when replication is off (one node, or ``replicas=0``). TimeoutError after
+        Returns at once when replication is off (one node, or ``replicas=0``). FileNotFoundError if this
+        node's memory does not hold it (no waiting here makes it replicated), TimeoutError after
         ``timeout`` seconds, saying which peers lack it and why."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             st = self.status(checkpoint_id)
             if st.replication in ("off", "replicated"):
                 return st
+            if st.replication == NOT_IN_MEMORY:
+                raise FileNotFoundError(
+                    f"checkpoint {st.checkpoint_id!r} is not in this node's memory (committed here: "
+                    f"{self.list_checkpoints() or 'none'}; persisted: {st.persist}), so no file of it is "
+                    "replicated from here: call wait_replicated on the nodes that hold it"
+                )
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(
                     f"checkpoint {st.checkpoint_id!r} not replicated after {timeout} s: {st.replicas}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PERSIST_STATES = ("off", "not requested", "queued", "uploading", "retrying", "failed", "persisted")
+NOT_IN_MEMORY = "not in memory"  # replication on, but this node's memory does not hold the checkpoint
 
 
 @dataclass(frozen=True)
@@ -25,8 +26,10 @@ class CheckpointStatus:
     ``persisted`` shows as ``retrying`` (``error``: the read error) until the commit marker is seen.
 
     ``replication``: ``off`` (one node, or ``replicas=0``), ``replicated`` (every replica node has
-    acknowledged this node's files) or ``under-replicated``; ``replicas`` says it per peer node
-    (``node<i>``: ``replicated``, ``pending`` or ``retrying: <error>``).
+    acknowledged this node's files), ``under-replicated``, or ``not in memory`` (replication is on, but
+    this node's memory does not hold the checkpoint: it replicates none of its files, whatever the nodes
+    that hold it do; ``wait_replicated`` raises); ``replicas`` says it per peer node (``node<i>``:
+    ``replicated``, ``pending`` or ``retrying: <error>``).
     """
 
     checkpoint_id: str

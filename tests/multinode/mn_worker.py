@@ -16,6 +16,8 @@
           go-ahead (file ``go``) before the next step. With ``--hang``, wait after the saves until the
           test kills the job. With ``--settle``, wait after the saves until this node keeps only the
           newest ``--keep`` checkpoints and report them with their retention holds.
+          With ``--not-here N``, node 1 deletes step N from its memory and reports what ``status`` and
+          ``wait_replicated`` say of it there (node 0 still holds it).
     load: ``latest_checkpoint()``, then ``dcp.load`` into fresh tensors and compare bit for bit with what
           that step saved (the world size may differ from the save's); with ``--wait-persisted N``, every
           rank then waits for step N's upload and reports how it ended.
@@ -101,6 +103,8 @@ def save(args, store: MemStore, mesh) -> None:
         elsewhere(store, f"step-{args.elsewhere}", Path(args.tmp))
     if args.unreachable:
         unreachable(store, f"step-{args.unreachable}", Path(args.tmp))
+    if args.not_here and dist.get_rank() == 1:
+        not_here(store, f"step-{args.not_here}")
     if args.serve_until:
         svc = store.replication()
         emit(event="serving", addr=list(svc.peers().server(svc.node.node_rank)))
@@ -196,6 +200,19 @@ def unreachable(store: MemStore, cid: str, tmp: Path) -> None:
     store.wait_persisted(cid, timeout=60)
 
 
+def not_here(store: MemStore, cid: str) -> None:
+    """Delete ``cid`` from this node's memory, then report its status and how ``wait_replicated`` ends."""
+    store.delete(cid)
+    st = store.status(cid)
+    try:
+        outcome = f"returned {store.wait_replicated(cid, timeout=5).replication}"
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        outcome = f"{type(e).__name__}: {e}"
+    emit(
+        event="not-here", checkpoint=cid, in_memory=st.in_memory, replication=st.replication, outcome=outcome
+    )
+
+
 def watch(store: MemStore, cid: str, tmp: Path) -> None:
     """Rank 0 trains (a small matmul per step) and reports every change of ``status(cid)`` until it is
     replicated, then tells the other ranks; they wait without collectives."""
@@ -268,6 +285,7 @@ def main() -> None:
     p.add_argument("--wait-persisted", type=int, default=0, help="after loading, wait for it")
     p.add_argument("--elsewhere", type=int, default=0, help="after saving, this step's status off node 1")
     p.add_argument("--unreachable", type=int, default=0, help="as --elsewhere, the target unreadable")
+    p.add_argument("--not-here", type=int, default=0, help="after saving, delete this step on node 1")
     p.add_argument("--serve-until", default=None, help="after saving, serve until this file appears in --tmp")
     p.add_argument("--gate", type=int, default=0, help="after this step is replicated, wait for --tmp/go")
     p.add_argument("--hang", action="store_true", help="after saving, wait to be killed")

@@ -256,3 +256,16 @@ def test_a_node_serving_on_loopback_fails_the_first_save_naming_it(cluster2, tmp
     log0 = (tmp_path / "node0.log").read_text(errors="replace")
     assert "announced their replication servers on loopback addresses" in log0
     assert "DCP_MEMSTORE_BIND" in log0
+
+
+def test_wait_replicated_on_a_node_without_the_checkpoint_says_so(cluster2, tmp_path):
+    """Node 1 deletes step 1 from its memory; node 0 still holds it (so status() there answers from node
+    0, with persist_to). Replication is on: node 1's status does not say "off", and wait_replicated does
+    not return as if the checkpoint were safe, but raises saying node 1 does not hold it."""
+    args = ["save", "--steps", 1, "--wait-replicated", "--not-here", 1,
+            "--persist-to", tmp_path / "persisted", "--persist-every", 0]  # fmt: skip
+    (_, evs) = run_job(cluster2, [0, 1], args, tmp_path)
+    (report,) = of(evs, "not-here")
+    assert report == {**report, "in_memory": False, "replication": "not in memory"}, report
+    assert report["outcome"].startswith("FileNotFoundError"), report
+    assert "not in this node's memory" in report["outcome"] and "nodes that hold it" in report["outcome"]
