@@ -14,7 +14,8 @@ takes the publish lock publishes (publication is idempotent).
 Errors: a missing bucket, refused or missing credentials, an id already published by another save or a
 broken manifest stop the checkpoint's uploads with state "failed" (logged; ``store.persist(id)`` or a
 restart retries it); anything else (the server down, timeouts) is retried with exponential backoff,
-state "retrying".
+state "retrying" until an attempt succeeds, which reports "uploading" again (also one that only finds
+other nodes' files not uploaded yet).
 """
 
 from __future__ import annotations
@@ -169,7 +170,8 @@ class Persister:
         started = time.time()  # a failure of this attempt is stale if failures are cleared meanwhile
         try:
             self._advance(rec, progress, rank)
-            self._retry_at.pop(cid, None)
+            if self._retry_at.pop(cid, None) is not None and not progress.persisted():
+                progress.report(rank, "uploading")  # the error is gone (it may only wait for other nodes)
         except Exception as e:  # noqa: BLE001 - classified: permanent errors stop, others are retried
             if not self._current(rec):  # the records under its id are another save's now, or gone
                 log.info("persisting checkpoint %r stopped: %s", cid, e)

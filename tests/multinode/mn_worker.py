@@ -18,6 +18,9 @@
           newest ``--keep`` checkpoints and report them with their retention holds.
           With ``--not-here N``, node 1 deletes step N from its memory and reports what ``status`` and
           ``wait_replicated`` say of it there (node 0 still holds it).
+          With ``--waiting N`` (likewise), node 0 uploads its share of step N and waits for node 1's,
+          which is not asked until node 0 reports the state it shows once the test made the target
+          unreadable (node 0's upload retries) and readable again.
     load: ``latest_checkpoint()``, then ``dcp.load`` into fresh tensors and compare bit for bit with what
           that step saved (the world size may differ from the save's); with ``--wait-persisted N``, every
           rank then waits for step N's upload and reports how it ended.
@@ -103,6 +106,8 @@ def save(args, store: MemStore, mesh) -> None:
         elsewhere(store, f"step-{args.elsewhere}", Path(args.tmp))
     if args.unreachable:
         unreachable(store, f"step-{args.unreachable}", Path(args.tmp))
+    if args.waiting:
+        waiting(store, f"step-{args.waiting}", Path(args.tmp))
     if args.not_here and dist.get_rank() == 1:
         not_here(store, f"step-{args.not_here}")
     if args.serve_until:
@@ -200,6 +205,27 @@ def unreachable(store: MemStore, cid: str, tmp: Path) -> None:
     store.wait_persisted(cid, timeout=60)
 
 
+def waiting(store: MemStore, cid: str, tmp: Path) -> None:
+    """See ``--waiting`` in the module docstring; the test and the nodes take turns through files in
+    ``tmp`` (the test makes the target unreadable and readable again)."""
+    if dist.get_rank() == 1:
+        wait_for(tmp / "waited", 120)
+        store.persist(cid)
+        store.wait_persisted(cid, timeout=60)
+        return
+    owe(store, cid)
+    (tmp / "uploaded").write_text("ok")
+    wait_state(store, cid, "retrying", 60)
+    (tmp / "retrying").write_text("ok")
+    wait_for(tmp / "restored", 120)
+    deadline = time.monotonic() + 15  # the persister's next attempt, after its backoff
+    while (st := store.status(cid)).persist == "retrying" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    emit(event="waiting", checkpoint=cid, state=st.persist, error=st.error)
+    (tmp / "waited").write_text("ok")
+    store.wait_persisted(cid, timeout=60)
+
+
 def not_here(store: MemStore, cid: str) -> None:
     """Delete ``cid`` from this node's memory, then report its status and how ``wait_replicated`` ends."""
     store.delete(cid)
@@ -285,6 +311,7 @@ def main() -> None:
     p.add_argument("--wait-persisted", type=int, default=0, help="after loading, wait for it")
     p.add_argument("--elsewhere", type=int, default=0, help="after saving, this step's status off node 1")
     p.add_argument("--unreachable", type=int, default=0, help="as --elsewhere, the target unreadable")
+    p.add_argument("--waiting", type=int, default=0, help="after saving, node 0 waits for node 1's share")
     p.add_argument("--not-here", type=int, default=0, help="after saving, delete this step on node 1")
     p.add_argument("--serve-until", default=None, help="after saving, serve until this file appears in --tmp")
     p.add_argument("--gate", type=int, default=0, help="after this step is replicated, wait for --tmp/go")

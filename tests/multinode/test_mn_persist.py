@@ -25,6 +25,20 @@ from tests.multinode.test_mn_replication import (
 pytestmark = pytest.mark.slow
 
 
+def target_down(shared: Path) -> None:
+    """Make the shared directory unreadable: a symlink to itself, so every read fails with ELOOP, an error
+    the persister retries (as a hung mount or an S3 endpoint that is down; the nodes cannot reach the
+    tests' S3 server from their namespaces, and root reads a directory whatever its mode)."""
+    shared.rename(shared.with_name(shared.name + ".away"))
+    shared.symlink_to(shared)
+
+
+def target_up(shared: Path) -> None:
+    """Undo ``target_down``."""
+    shared.unlink()
+    shared.with_name(shared.name + ".away").rename(shared)
+
+
 def loaded_and_persisted(evs: list[dict], latest: str | None = None) -> dict:
     """The ``persist`` event of one node's ``load`` run, after checking that it resumed from ``latest``
     (if given), loaded bit-exact, and saw the checkpoint persisted while it was in its memory."""
@@ -230,30 +244,18 @@ def test_status_on_a_node_without_the_checkpoint_says_what_the_nodes_holding_it_
 
 
 def test_status_on_a_node_without_the_checkpoint_while_the_target_cannot_be_read(cluster2, tmp_path):
-    """As above, but the shared directory cannot be read for a while: it becomes a symlink to itself, so
-    every read fails with ELOOP, an error the persister retries (as a hung mount or an S3 endpoint that is
-    down; the nodes cannot reach the tests' S3 server from their namespaces, and root reads a directory
-    whatever its mode). Node 1's status does not raise that error but says what node 0 does: not asked
-    (ValueError), then retrying (wait_persisted waits, it does not raise); once the target is back,
-    wait_persisted returns when the checkpoint is published. With the target unreadable again after that,
-    node 1 does not say persisted (node 0 does: it saw the publication) without seeing the marker."""
+    """As above, but the shared directory cannot be read for a while (``target_down``). Node 1's status
+    does not raise that error but says what node 0 does: not asked (ValueError), then retrying
+    (wait_persisted waits, it does not raise); once the target is back, wait_persisted returns when the
+    checkpoint is published. With the target unreadable again after that, node 1 does not say persisted
+    (node 0 does: it saw the publication) without seeing the marker."""
     shared = tmp_path / "persisted"
-    away = tmp_path / "persisted.away"
-
-    def target_down() -> None:
-        shared.rename(away)
-        shared.symlink_to(shared)
-
-    def target_up() -> None:
-        shared.unlink()
-        away.rename(shared)
-
     args = ["save", "--steps", 1, "--mib", 2, "--persist-to", shared, "--persist-every", 0,
             "--unreachable", 1, "--tmp", tmp_path]  # fmt: skip
     procs = launch(cluster2, [0, 1], args, tmp_path)
     report = functools.partial(node1_report, tmp_path / "node1.log")
     wait_for(tmp_path / "deleted", TIMEOUT_S)
-    target_down()
+    target_down(shared)
     (tmp_path / "broken").write_text("ok")
     unrequested = report("unrequested")
     assert unrequested["state"] == "not requested", unrequested
@@ -261,16 +263,40 @@ def test_status_on_a_node_without_the_checkpoint_while_the_target_cannot_be_read
     down = report("down")  # node 0's upload is retrying
     assert down["outcome"].startswith("TimeoutError") and down["state"] == "retrying", down
     assert "Too many levels of symbolic links" in down["error"], down
-    target_up()
+    target_up(shared)
     restored = report("restored")
     assert restored == {**restored, "outcome": "persisted", "url": f"{shared}/step-1"}, restored
-    target_down()
+    target_down(shared)
     (tmp_path / "broken-again").write_text("ok")
     published = report("published")
     assert published["outcome"].startswith("TimeoutError") and published["state"] == "retrying", published
     assert "Too many levels of symbolic links" in published["error"] and published["url"] is None, published
-    target_up()
+    target_up(shared)
     finish(procs, [0, 1], tmp_path)
     out = {"w": torch.zeros(2 * 256, 1024), "bias": torch.zeros(1000, dtype=torch.float64), "step": -1}
     dcp.load(out, storage_reader=dcp.FileSystemReader(str(shared / "step-1")), no_dist=True)
     assert torch.equal(out["w"], global_weight(1, 2)) and out["step"] == 1
+
+
+def test_a_node_waiting_for_other_nodes_files_is_not_left_retrying_once_the_target_is_back(
+    cluster2, tmp_path
+):
+    """Node 0 uploaded its share of step 1 and waits for node 1's (not asked yet). The target cannot be
+    read for a moment: node 0 says retrying, with the error. Once it is back, node 0 says uploading with
+    no error (it stayed retrying with the old error until publication); then node 1 is asked, and the
+    checkpoint is published."""
+    shared = tmp_path / "persisted"
+    args = ["save", "--steps", 1, "--mib", 2, "--persist-to", shared, "--persist-every", 0,
+            "--waiting", 1, "--tmp", tmp_path]  # fmt: skip
+    procs = launch(cluster2, [0, 1], args, tmp_path)
+    wait_for(tmp_path / "uploaded", TIMEOUT_S)
+    target_down(shared)
+    try:
+        wait_for(tmp_path / "retrying", TIMEOUT_S)
+    finally:
+        target_up(shared)
+    (tmp_path / "restored").write_text("ok")
+    saved = finish(procs, [0, 1], tmp_path)
+    (waiting,) = of(saved[0], "waiting")
+    assert (waiting["state"], waiting["error"]) == ("uploading", None), waiting
+    assert (shared / "step-1" / ".dcp_memstore" / "COMMITTED").exists()
