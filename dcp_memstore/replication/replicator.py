@@ -148,6 +148,7 @@ class Replicator:
         self.control = control
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._learned = threading.Event()  # set once ``peers`` returned (or failed)
         self._retry_at: dict[int, tuple[float, float]] = {}  # target -> (next attempt, current backoff)
         self._report_retry_at: dict[int, tuple[float, float]] = {}  # peer node -> the same, for reports
         self._thread = threading.Thread(target=self._run, name="dcp_memstore_replicate", daemon=True)
@@ -158,18 +159,25 @@ class Replicator:
         self._wake.set()
 
     def close(self, timeout: float | None = None) -> None:
-        """Stop the thread; a transfer in flight ends when the transport is closed (by the caller)."""
+        """Stop the thread; a transfer in flight ends when the transport is closed (by the caller). A
+        thread still learning the peers (a rank that never announced its server makes that wait up to
+        the lookup's timeout) is not waited for: it has sent nothing, and sends nothing once it learns
+        them (a daemon, it ends then, or with the process)."""
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout)
+        if self._learned.is_set():
+            self._thread.join(timeout)
 
     def _run(self) -> None:
         yield_cpu_to_training()
         try:
             peers = self._peers()
         except Exception:  # noqa: BLE001 - no peers, no replication; saves go on
-            log.exception("replicator: cannot learn the job's peers; replication is off in this process")
+            if not self._stop.is_set():  # closed meanwhile: nothing is off that was wanted
+                log.exception("replicator: cannot learn the job's peers; replication is off in this process")
             return
+        finally:
+            self._learned.set()
         while not self._stop.is_set():
             for rec in catalog.committed(self.layout):
                 if self._stop.is_set():

@@ -25,6 +25,9 @@
           that step saved (the world size may differ from the save's); with ``--wait-persisted N``, every
           rank then waits for step N's upload and reports how it ended.
 
+    close-alone: rank 0 creates its MemStore and closes it at once; rank 1 never creates one (as a rank
+          that failed before), so rank 0's replicator is still waiting for its server's address.
+
 Every event is one line ``@@mn {json}`` on stdout (the test reads the node logs).
 """
 
@@ -293,9 +296,20 @@ def load(args, store: MemStore, mesh) -> None:
             emit(event="replicated", checkpoint=c, replication=st.replication, replicas=st.replicas)
 
 
+def close_alone(args) -> None:
+    """See ``close-alone`` in the module docstring: rank 0 reports how long ``close()`` took."""
+    if dist.get_rank() == 0:
+        store = MemStore(job_id=args.job, replicas=args.replicas, stage_timeout_s=60, replication_timeout_s=3)
+        time.sleep(1)  # its replicator is looking up the peers' servers
+        start = time.monotonic()
+        store.close()
+        emit(event="closed", seconds=time.monotonic() - start)
+    dist.barrier()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("phase", choices=["save", "load"])
+    p.add_argument("phase", choices=["save", "load", "close-alone"])
     p.add_argument("--job", default="mn")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--mib", type=int, default=4, help="size of the sharded tensor (all ranks)")
@@ -320,6 +334,10 @@ def main() -> None:
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     dist.init_process_group("gloo")
+    if args.phase == "close-alone":
+        close_alone(args)
+        dist.destroy_process_group()
+        return
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     persist = {}
     if args.persist_to:

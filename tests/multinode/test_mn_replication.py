@@ -269,3 +269,12 @@ def test_wait_replicated_on_a_node_without_the_checkpoint_says_so(cluster2, tmp_
     assert report == {**report, "in_memory": False, "replication": "not in memory"}, report
     assert report["outcome"].startswith("FileNotFoundError"), report
     assert "not in this node's memory" in report["outcome"] and "nodes that hold it" in report["outcome"]
+
+
+def test_close_does_not_wait_for_a_rank_that_never_announced_its_server(cluster2, tmp_path):
+    """Rank 1 never creates its MemStore (a job shutting down after a failure), so rank 0's replicator
+    waits for its server's address (up to stage_timeout_s, 60 s here). Rank 0's close() returns at once
+    instead of waiting that long."""
+    (evs, _) = run_job(cluster2, [0, 1], ["close-alone"], tmp_path)
+    (closed,) = of(evs, "closed")
+    assert closed["seconds"] < 10, closed
