@@ -449,7 +449,7 @@ class MemStore(PersistingStore, ReplicatingStore):
         elif st.in_memory and self._replicating():
             files = node_files(self.layout, st.checkpoint_id)
             replicas = ReplicaRecords(self.layout, st.checkpoint_id).peer_states(
-                files, self._peers_now().targets()
+                files, self._replica_targets()
             )
             ok = all(v == "replicated" for v in replicas.values())
             st = dataclasses.replace(

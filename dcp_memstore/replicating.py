@@ -24,6 +24,7 @@ from dcp_memstore.persist.progress import Progress, is_owed
 from dcp_memstore.replication import safe_point
 from dcp_memstore.replication.cluster_read import ClusterCheckpoint
 from dcp_memstore.replication.peers import Peers, default_bind_host
+from dcp_memstore.replication.placement import NodeInfo, replica_targets
 from dcp_memstore.replication.recovery import inventory, orphans, restore, resync, take_over, unheld
 from dcp_memstore.replication.service import ReplicationService, job_node_info
 from dcp_memstore.replication.tcp import TcpTransport
@@ -184,9 +185,6 @@ class ReplicatingStore:
         )
         return cluster if cluster.available else None
 
-    def _peers_now(self) -> Peers:
-        return self._service.peers() if self._service is not None else self._peers
-
     def replication(self) -> ReplicationService | None:
         """This process's replication service: started on the first call after ``init_process_group`` in
         a job that spans several nodes (the constructor, a save or ``latest_checkpoint`` make that call);
@@ -228,10 +226,22 @@ class ReplicatingStore:
             )
         return self._peers, self._control_transport
 
+    def _node(self) -> NodeInfo | None:
+        """This process's place in a multi-node job: its replication service's (in DCP's checkpoint
+        process, the training process's peers'); None before either exists."""
+        return self._service.node if self._service is not None else self._peers.node if self._peers else None
+
     def _replicating(self) -> bool:
         """Whether this node's checkpoints are replicated (several nodes and ``replicas`` >= 1)."""
-        node = self._service.node if self._service is not None else self._peers.node if self._peers else None
+        node = self._node()
         return bool(self.replicas) and node is not None and node.multi_node
+
+    def _replica_targets(self) -> list[int]:
+        """The nodes this node's files are replicated to (where ``_replicating``), from this process's
+        place in the job alone: not waiting for the peers' server addresses, which a rank that never
+        announced its server makes last ``stage_timeout_s``."""
+        node = self._node()
+        return replica_targets(node.node_rank, node.nnodes, self.replicas)
 
     def prepare_everywhere(self, record: catalog.CommitRecord, manifest: bytes) -> catalog.CommitRecord:
         """Called by the coordinator before it commits: hand the checkpoint's manifest to every other node

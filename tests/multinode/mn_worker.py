@@ -25,8 +25,9 @@
           that step saved (the world size may differ from the save's); with ``--wait-persisted N``, every
           rank then waits for step N's upload and reports how it ended.
 
-    close-alone: rank 0 creates its MemStore and closes it at once; rank 1 never creates one (as a rank
-          that failed before), so rank 0's replicator is still waiting for its server's address.
+    close-alone: rank 0 creates its MemStore, waits until each checkpoint its node holds is replicated,
+          and closes it; rank 1 never creates one (as a rank that failed before), so rank 0's replicator
+          is still waiting for its server's address.
 
 Every event is one line ``@@mn {json}`` on stdout (the test reads the node logs).
 """
@@ -297,13 +298,16 @@ def load(args, store: MemStore, mesh) -> None:
 
 
 def close_alone(args) -> None:
-    """See ``close-alone`` in the module docstring: rank 0 reports how long ``close()`` took."""
+    """See ``close-alone`` in the module docstring: rank 0 reports what ``wait_replicated`` said and how
+    long it and ``close()`` took."""
     if dist.get_rank() == 0:
         store = MemStore(job_id=args.job, replicas=args.replicas, stage_timeout_s=60, replication_timeout_s=3)
         time.sleep(1)  # its replicator is looking up the peers' servers
         start = time.monotonic()
+        replication = [store.wait_replicated(c, timeout=5).replication for c in store.list_checkpoints()]
+        asked = time.monotonic()
         store.close()
-        emit(event="closed", seconds=time.monotonic() - start)
+        emit(event="closed", replication=replication, wait_s=asked - start, close_s=time.monotonic() - asked)
     dist.barrier()
 
 

@@ -271,10 +271,13 @@ def test_wait_replicated_on_a_node_without_the_checkpoint_says_so(cluster2, tmp_
     assert "not in this node's memory" in report["outcome"] and "nodes that hold it" in report["outcome"]
 
 
-def test_close_does_not_wait_for_a_rank_that_never_announced_its_server(cluster2, tmp_path):
-    """Rank 1 never creates its MemStore (a job shutting down after a failure), so rank 0's replicator
-    waits for its server's address (up to stage_timeout_s, 60 s here). Rank 0's close() returns at once
+def test_a_rank_that_never_announced_its_server_blocks_neither_status_nor_close(cluster2, tmp_path):
+    """After a job saved step 1 (replicated), a new job starts where rank 1 never creates its MemStore
+    (a job shutting down after a failure), so rank 0's replicator waits for its server's address (up to
+    stage_timeout_s, 60 s here). Rank 0's wait_replicated of step 1 (status) and close() return at once
     instead of waiting that long."""
+    run_job(cluster2, [0, 1], ["save", "--steps", 1, "--wait-replicated"], tmp_path)
     (evs, _) = run_job(cluster2, [0, 1], ["close-alone"], tmp_path)
     (closed,) = of(evs, "closed")
-    assert closed["seconds"] < 10, closed
+    assert closed["replication"] == ["replicated"], closed
+    assert closed["wait_s"] < 10 and closed["close_s"] < 10, closed
