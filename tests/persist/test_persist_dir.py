@@ -88,6 +88,22 @@ print("STOCK-OK")
     assert "STOCK-OK" in res.stdout, res.stderr[-3000:]
 
 
+def _evict_at_first_persisted_read(store: MemStore, monkeypatch) -> list[str]:
+    """Make the first read of a checkpoint's PERSISTED record evict that checkpoint first (a real
+    discard, at a point no real timing hits reliably); returns the list of what it evicted."""
+    real = Progress.persisted
+    evictions: list[str] = []
+
+    def evicted_first(progress: Progress) -> bool:
+        if not evictions:
+            evictions.append(progress.checkpoint_id)
+            catalog.discard(store.layout, store.layout.checkpoint_dir(progress.checkpoint_id))
+        return real(progress)
+
+    monkeypatch.setattr(Progress, "persisted", evicted_first)
+    return evictions
+
+
 def test_status_of_a_checkpoint_evicted_while_status_reads_it_is_persisted(shm_dir, bucket_dir, monkeypatch):
     """Published, then evicted between status()'s reads of its records (the hold already gone, PERSISTED
     not yet read): status says persisted, not "not requested", and wait_persisted returns. The eviction is
@@ -96,16 +112,7 @@ def test_status_of_a_checkpoint_evicted_while_status_reads_it_is_persisted(shm_d
         save(store, _state(1), "a")
         store.persist("a")
         store.wait_persisted("a", timeout=60)
-        real = Progress.persisted
-        evictions = []
-
-        def evicted_first(progress):
-            if not evictions:
-                evictions.append(progress.checkpoint_id)
-                catalog.discard(store.layout, store.layout.checkpoint_dir(progress.checkpoint_id))
-            return real(progress)
-
-        monkeypatch.setattr(Progress, "persisted", evicted_first)
+        evictions = _evict_at_first_persisted_read(store, monkeypatch)
         st = store.status("a")
         assert evictions == ["a"]
         assert (st.in_memory, st.persist, st.persisted) == (False, "persisted", True)
@@ -487,16 +494,7 @@ def test_persist_of_a_checkpoint_evicted_as_its_hold_is_placed_names_those_that_
     with _pstore(shm_dir, bucket_dir, persist_on_close=False) as store:
         save(store, _state(1), "a")
         save(store, _state(2), "b")
-        real = Progress.persisted
-        evictions = []
-
-        def evicted_first(progress):
-            if not evictions:
-                evictions.append(progress.checkpoint_id)
-                catalog.discard(store.layout, store.layout.checkpoint_dir(progress.checkpoint_id))
-            return real(progress)
-
-        monkeypatch.setattr(Progress, "persisted", evicted_first)
+        evictions = _evict_at_first_persisted_read(store, monkeypatch)
         with pytest.raises(
             FileNotFoundError, match=r"'a' not found in store .*committed checkpoints: \['b'\]"
         ):
