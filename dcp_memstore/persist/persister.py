@@ -293,10 +293,9 @@ class Persister:
         progress.mark_persisted()
 
     def _current(self, rec: catalog.CommitRecord) -> bool:
-        """Whether ``rec`` is still the save of its checkpoint id in memory: not deleted or evicted, and
-        not saved again under its id (a save after a deletion may even get the same sequence number)."""
+        """``catalog.same_save``, with a corrupt commit marker counted as another save's."""
         try:
-            return catalog.read_commit(self.layout, rec.checkpoint_id) == rec
+            return catalog.same_save(self.layout, rec)
         except ValueError:  # a corrupt commit marker: not this save's
             return False
 

@@ -124,12 +124,6 @@ def node_files(layout: StoreLayout, checkpoint_id: str) -> dict[str, int]:
     return out
 
 
-def same_save(layout: StoreLayout, rec: catalog.CommitRecord) -> bool:
-    """Whether checkpoint ``rec.checkpoint_id`` is still committed by the save ``rec`` records: not
-    deleted, nor saved again under its id (which may even take the same sequence number)."""
-    return catalog.read_commit(layout, rec.checkpoint_id) == rec
-
-
 class Replicator:
     """Sends this node's files of every committed checkpoint that owes replicas (see module docstring).
 
@@ -197,7 +191,7 @@ class Replicator:
         new save, so nothing more is recorded; the next pass sends the new save's files."""
         cid = rec.checkpoint_id
         records = ReplicaRecords(self.layout, cid)
-        if not records.owed() or not same_save(self.layout, rec):
+        if not records.owed() or not catalog.same_save(self.layout, rec):
             return
         files = node_files(self.layout, cid)
         targets = peers.targets()
@@ -214,11 +208,11 @@ class Replicator:
                 except FileNotFoundError:
                     return  # evicted or deleted meanwhile
                 except Exception as e:  # noqa: BLE001 - any failure: this peer is retried later
-                    if not same_save(self.layout, rec):
+                    if not catalog.same_save(self.layout, rec):
                         return
                     self._failed(records, peers, t, cid, f, e)
                     break
-                if not same_save(self.layout, rec):
+                if not catalog.same_save(self.layout, rec):
                     return
                 records.mark_done(f, to(t))
                 self._retry_at.pop(t, None)
@@ -256,7 +250,7 @@ class Replicator:
                 )  # fmt: skip
                 continue
             self._report_retry_at.pop(n, None)
-            if not same_save(self.layout, rec):
+            if not catalog.same_save(self.layout, rec):
                 return
             with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
                 reports.mark_done(node_name(n), "told")

@@ -206,6 +206,14 @@ def read_commit(layout: StoreLayout, checkpoint_id: str) -> CommitRecord | None:
         ) from e
 
 
+def same_save(layout: StoreLayout, rec: CommitRecord) -> bool:
+    """Whether checkpoint ``rec.checkpoint_id`` is still committed by the save ``rec`` records: not
+    deleted or evicted, nor saved again under its id (which may even take the same sequence number).
+    Work kept by checkpoint id (uploads, replicas) checks it before it records anything. ValueError if the
+    commit marker is corrupt (``read_commit``)."""
+    return read_commit(layout, rec.checkpoint_id) == rec
+
+
 def require_committed(layout: StoreLayout, checkpoint_id: str) -> Path:
     """The directory of committed checkpoint ``checkpoint_id`` (a valid name); FileNotFoundError naming
     the ones that exist."""
