@@ -140,6 +140,11 @@ class StoreNeededLoadStrategy(LoadShardedStrategy):
     def load_tensors_metadata(self, checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointingException(_store_needed(checkpoint_dir))
 
+    def load_sharded_metadata(self, checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
+        """Read by ``dist_checkpointing.load`` with any ``strict`` but the default: the same hint as
+        ``load``, rather than Megatron's bare NotImplementedError."""
+        raise CheckpointingException(_store_needed(checkpoint_dir))
+
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         pass
 

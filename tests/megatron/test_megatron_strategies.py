@@ -253,6 +253,11 @@ def megatron_job(rank: int, world: int, root: str, ckpts: str) -> dict[str, Any]
         out["default_load_error"] = None
     except CheckpointingException as e:
         out["default_load_error"] = str(e)
+    try:  # a strict load reads the checkpoint's sharded metadata first
+        mdc.load(template(rank, world), str(base / SYNC), strict="return_all")
+        out["default_strict_load_error"] = None
+    except Exception as e:  # noqa: BLE001 - the test checks which error it is
+        out["default_strict_load_error"] = f"{type(e).__name__}: {e}"
 
     # 8. strict handling and metadata queries (load_sharded_metadata / load_tensors_metadata)
     loaded, missing, unexpected = mdc.load(
@@ -382,11 +387,15 @@ def test_staging_failure_on_one_rank_fails_the_save_on_every_rank_at_once(job: l
 
 def test_megatron_without_our_load_strategy(job: list[dict]) -> None:
     """Megatron alone still reads the common state (load_common_state_dict), and loading tensors without
-    MemStoreLoadStrategy fails saying which store holds them."""
+    MemStoreLoadStrategy fails saying which store holds them, also with a ``strict`` mode that reads the
+    checkpoint's sharded metadata first (before, that was Megatron's bare NotImplementedError)."""
     for rep in job:
         assert rep["common_only"] == common_state(1)
         err = rep["default_load_error"]
         assert err is not None and "MemStoreLoadStrategy" in err and f"job_id={JOB_ID!r}" in err
+        err = rep["default_strict_load_error"]
+        assert err is not None and err.startswith("CheckpointingException: "), err
+        assert "MemStoreLoadStrategy" in err and f"job_id={JOB_ID!r}" in err, err
 
 
 def test_strict_load_and_metadata(job: list[dict]) -> None:
