@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import warnings
 
 from dcp_memstore.errors import CheckpointInUseError
 from dcp_memstore.memstore import MemStore, resolve_job_id, resolve_root
@@ -70,8 +71,14 @@ def _show(args: argparse.Namespace) -> int:
 def _delete(args: argparse.Namespace) -> int:
     layout = _layout(args)
     try:
-        # one io thread: the command copies nothing, and the delete then keeps one pooled file per rank
-        with MemStore(root=layout.root, job_id=layout.job_id, io_threads=1) as store:
+        with warnings.catch_warnings():
+            # What opening a store warns a training job about (a root not on tmpfs, checkpoints owed to
+            # persistent storage that a store without persist_to evicts) is not true of this command: it
+            # evicts nothing and leaves every other checkpoint as it is.
+            warnings.simplefilter("ignore")
+            # one io thread: the command copies nothing, and the delete then keeps one pooled file per rank
+            store = MemStore(root=layout.root, job_id=layout.job_id, io_threads=1)
+        with store:
             store.delete(args.checkpoint_id)
     except OSError as e:
         if isinstance(e, FileNotFoundError):  # the checkpoint is not there: its message names those that are

@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from dcp_memstore import MemoryStorageWriter, MemStore
 from dcp_memstore.cli import main
 from dcp_memstore.store import catalog
+from dcp_memstore.store.layout import StoreLayout
 
 
 @pytest.fixture
@@ -130,6 +131,27 @@ def test_delete_on_a_read_only_mount_is_a_clear_error_that_changes_nothing(root,
     assert "Read-only file system (" in err and "deleting needs write access to the store" in err
     assert err.count("Errno") == 1
     assert sorted(str(p) for p in Path(root).rglob("*")) == before
+
+
+def test_delete_warns_about_nothing_and_leaves_an_owed_checkpoint_owed(root, capsys, tmp_path):
+    """Deleting one checkpoint while another is owed to persistent storage says only that it deleted it
+    (before, it printed the store's warning that it would evict the owed one, which it did not), and the
+    owed one stays held in memory for its upload."""
+    blocked = tmp_path / "file"
+    store = MemStore(root=root, job_id="j", persist_to=str(blocked), persist_every=1, persist_on_close=False)
+    blocked.rmdir()
+    blocked.write_bytes(b"")  # uploads fail: the checkpoints stay owed to persistent storage
+    for cid in ("a", "b"):
+        sd = {"w": torch.ones(3)}
+        dcp.save(sd, checkpoint_id=cid, storage_writer=MemoryStorageWriter(store), no_dist=True)
+    store.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        code, out, err = _cli(capsys, "delete", "b", "--root", root, "--job-id", "j")
+    assert (code, out, err) == (0, "deleted b\n", "")
+    layout = StoreLayout(Path(root), "j")
+    assert [r.checkpoint_id for r in catalog.committed(layout)] == ["a"]
+    assert catalog.hold_names(layout, "a") == ["persist"]
 
 
 def _tree_bytes(path: str) -> int:
