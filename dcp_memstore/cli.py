@@ -8,9 +8,11 @@ dcp-memstore delete ID [--root DIR] [--job-id ID]  remove one committed checkpoi
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import warnings
+from pathlib import Path
 
 from dcp_memstore.errors import CheckpointInUseError
 from dcp_memstore.memstore import MemStore, resolve_job_id, resolve_root
@@ -27,10 +29,22 @@ def _layout(args: argparse.Namespace) -> StoreLayout:
     root, job = resolve_root(args.root), resolve_job_id(args.job_id)
     layout = StoreLayout(root, job)
     if not layout.checkpoints_dir.is_dir():
+        jobs = _jobs_under(root)
+        there = f"the jobs there are {', '.join(jobs)}" if jobs else "no job has a store there"
         raise FileNotFoundError(
-            f"no dcp_memstore store for job {job!r} under {root}; check --root and --job-id"
+            f"no dcp_memstore store for job {job!r} under {root} ({there}); check --root and --job-id"
         )
     return layout
+
+
+def _jobs_under(root: Path) -> list[str]:
+    """The ids of the jobs that have a store under ``root``, sorted (none if it cannot be read): what a
+    mistyped or defaulted ``--job-id`` should have been."""
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return []
+    return sorted(e.name for e in entries if StoreLayout(root, e.name).checkpoints_dir.is_dir())
 
 
 def _list(args: argparse.Namespace) -> int:

@@ -74,6 +74,22 @@ def test_unknown_checkpoint_is_a_clear_error(root, capsys):
     assert "checkpoint 'nope' not found" in err
 
 
+def test_a_wrong_job_id_or_root_is_a_clear_error_that_names_the_jobs_there(root, capsys, tmp_path):
+    """A mistyped or defaulted --job-id says which jobs have a store under the root (before, only that
+    there was none for that job); a root without any says so. Nothing is created."""
+    for job in ("run-42", "run-7"):
+        MemStore(root=root, job_id=job).close()
+    code, out, err = _cli(capsys, "list", "--root", root, "--job-id", "run-4")
+    assert (code, out) == (2, "")
+    assert err == (
+        f"dcp-memstore: no dcp_memstore store for job 'run-4' under {root} (the jobs there are run-42, "
+        "run-7); check --root and --job-id\n"
+    )
+    code, _, err = _cli(capsys, "show", "a", "--root", str(tmp_path / "none"), "--job-id", "run-42")
+    assert code == 2 and "(no job has a store there)" in err
+    assert not (tmp_path / "none").exists() and not Path(root, "run-4").exists()
+
+
 def test_list_and_show_say_which_checkpoints_are_held(root, capsys, tmp_path):
     blocked = tmp_path / "file"
     store = MemStore(root=root, job_id="j", persist_to=str(blocked), persist_every=1, persist_on_close=False)
