@@ -13,8 +13,9 @@ and handed to Megatron's ``AsyncCallsQueue``: the tensors are staged into tmpfs 
 written by the queue's forked worker, and committed when the queue finalizes the request. At start-up
 ``store.latest_checkpoint()`` names the newest committed checkpoint and ``MemStoreLoadStrategy`` restores
 it in place. The last line (loss and a digest of the weights) is the same whether the 30 steps ran in one
-go or were resumed at step 20. Checkpoint directories (Megatron's ``common.pt``, ``metadata.json`` and
-``dcp_memstore.json``) go under ``--save``; the tensors go to the store (``--root``, job ``--job-id``).
+go or were resumed at step 20; a run that resumes at ``--steps`` trains nothing and says so. Checkpoint
+directories (Megatron's ``common.pt``, ``metadata.json`` and ``dcp_memstore.json``) go under ``--save``;
+the tensors go to the store (``--root``, job ``--job-id``).
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def main() -> None:
     save_strategy, load_strategy = MemStoreSaveStrategy(store), MemStoreLoadStrategy(store)
     torch.manual_seed(1)  # the same data on every rank: tensor parallelism splits the model, not the batch
     target = torch.randn(D_OUT, D_IN, generator=torch.Generator().manual_seed(2))
-    state, step, loss = init_state(rank, world), 0, float("nan")
+    state, step, loss = init_state(rank, world), 0, None
 
     latest = store.latest_checkpoint()  # collective: the newest checkpoint every rank can load
     if latest is not None:
@@ -139,7 +140,8 @@ def main() -> None:
     digest = torch.tensor([digest], dtype=torch.float64)
     dist.all_reduce(digest)
     if rank == 0:
-        print(f"done at step {step}: loss {loss:.6f}, weights digest {digest.item():.12e}", flush=True)
+        trained = f"loss {loss:.6f}" if loss is not None else f"no step left to train (--steps {args.steps})"
+        print(f"done at step {step}: {trained}, weights digest {digest.item():.12e}", flush=True)
     store.close()
     dist.destroy_process_group()
 
