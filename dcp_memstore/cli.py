@@ -1,8 +1,8 @@
 """The ``dcp-memstore`` command: look at and tidy a node's checkpoint store.
 
-dcp-memstore list   [--root DIR] [--job-id ID]     committed checkpoints, oldest first, with sizes
-dcp-memstore show   ID [--root DIR] [--job-id ID]  one checkpoint's files and items
-dcp-memstore delete ID [--root DIR] [--job-id ID]  remove one committed checkpoint
+dcp-memstore list   [--root DIR] [--job-id ID]              committed checkpoints, oldest first, with sizes
+dcp-memstore show   ID [--items] [--root DIR] [--job-id ID]  one checkpoint's files (and every item)
+dcp-memstore delete ID [--root DIR] [--job-id ID]           remove one committed checkpoint
 """
 
 from __future__ import annotations
