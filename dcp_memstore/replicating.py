@@ -26,6 +26,7 @@ from dcp_memstore.replication.cluster_read import ClusterCheckpoint
 from dcp_memstore.replication.peers import Peers, default_bind_host
 from dcp_memstore.replication.placement import NodeInfo, replica_targets
 from dcp_memstore.replication.recovery import inventory, orphans, restore, resync, take_over, unheld
+from dcp_memstore.replication.replicator import ReplicaRecords, node_files
 from dcp_memstore.replication.service import ReplicationService, job_node_info
 from dcp_memstore.replication.tcp import TcpTransport
 from dcp_memstore.replication.transport import format_peer
@@ -207,6 +208,7 @@ class ReplicatingStore:
                     transport=self.transport,
                     on_commit=self._commit_here,
                     on_replicated=self._replicated_elsewhere,
+                    replication_state=self._replication_state,
                     timeout_s=self.stage_timeout_s,
                     io_timeout_s=self.replication_timeout_s,
                     keep=self.keep_in_memory,
@@ -321,6 +323,17 @@ class ReplicatingStore:
             ours = catalog.prepared(self.layout).get(cid, {}).get("committed_at") == committed_at
         if ours and safe_point.Reports(self.layout, cid).record(node, committed_at):
             safe_point.advance(self.layout, self._service.node.nnodes, self.keep_in_memory)
+
+    def _replication_state(self, checkpoint_id: str) -> dict[str, str] | None:
+        """Per replica node, the replication state of this node's files of ``checkpoint_id``
+        (``replicated``, ``pending`` or ``retrying: <error>``); None if this node's memory does not hold
+        it or its checkpoints are not replicated. Also what this node's server tells peers (``stat``)."""
+        cid = validate_name(checkpoint_id)
+        if not self._replicating() or catalog.read_commit(self.layout, cid) is None:
+            return None
+        return ReplicaRecords(self.layout, cid).peer_states(
+            node_files(self.layout, cid), self._replica_targets()
+        )
 
     def wait_replicated(self, checkpoint_id: str, timeout: float | None = None) -> CheckpointStatus:
         """Block until this node's files of ``checkpoint_id`` are acknowledged by every replica node.

@@ -44,13 +44,19 @@ class ClusterCheckpoint:
         self.committed_on: list[int] = []
         # node where it is committed -> (its upload state, its error), with persist_to (Progress.upload_state)
         self.uploads: dict[int, tuple[str, str | None]] = {}
+        # node where it is committed -> the replication state of its own files per replica node, or None
+        # where that node does not replicate (``stat``)
+        self.replication: dict[int, dict[str, str] | None] = {}
+        self.unreachable: list[int] = []
         me = peers.node.node_rank
         order = [(me + d) % peers.node.nnodes for d in range(peers.node.nnodes)]
         for node, st in zip(order, run_parallel(self._stat, order, len(order), pool="cluster"), strict=True):
             if st is None:
+                self.unreachable.append(node)
                 continue
             if st["committed"]:
                 self.committed_on.append(node)
+                self.replication[node] = st["replication"]
                 if st["upload"] is not None:
                     self.uploads[node] = (st["upload"]["state"], st["upload"]["error"])
                 for f in st["own"]:

@@ -11,7 +11,9 @@ Starting, it removes the temporary files of transfers whose receiving process di
 under ``replicas/`` and ``fetched/`` (files a reader fetched from a peer). A node's own files are served
 only once their checkpoint is committed there. ``stat`` also says this
 node's upload state of a committed checkpoint towards the target the peer names (its records on tmpfs,
-``persist.progress``): a node that lacks the checkpoint tells from them whether it is being persisted.
+``persist.progress``) and, from the store's ``replication_state`` callback, the replication state of the
+node's own files of it: a node that lacks the checkpoint tells from them whether it is being persisted
+and replicated.
 The ``commit`` op (the coordinator preparing, committing or aborting a checkpoint on this node; a prepare
 carries the manifest, whose SHA-256 the signed header names) is handed to the store's ``on_commit``
 callback; a server without one refuses it. Likewise ``replicated`` (a node's files of a checkpoint are
@@ -92,6 +94,9 @@ COMMIT_PHASES = ("prepare", "commit", "abort")
 CommitHandler = Callable[[str, str, dict, bytes], int]
 # on_replicated(checkpoint, node, committed_at): node's files of that save are replicated
 ReplicatedHandler = Callable[[str, str, float], None]
+# replication_state(checkpoint): per replica node, the state of this node's files of it (None: not held
+# here, or this node does not replicate)
+ReplicationState = Callable[[str], dict[str, str] | None]
 # The slowest RDMA rate a server waits for: after an rdma_put/rdma_get go-ahead the TCP connection is idle
 # while the peer moves the bytes, so the trailer may take io_timeout_s + size / this. A peer that dies
 # closes its connection, which ends the wait at once.
@@ -149,6 +154,7 @@ class PeerServer:
         window_s: float = DEFAULT_WINDOW_S,
         on_commit: CommitHandler | None = None,
         on_replicated: ReplicatedHandler | None = None,
+        replication_state: ReplicationState | None = None,
         rdma: RdmaEndpoint | None = None,
     ) -> None:
         job_id = validate_name(job_id, "job id")
@@ -164,6 +170,7 @@ class PeerServer:
         self.io_timeout_s = io_timeout_s
         self.auth_timeout_s = min(auth_timeout_s, io_timeout_s)
         self.on_commit, self.on_replicated = on_commit, on_replicated
+        self.replication_state = replication_state
         self.rdma = rdma
         self.max_connections = max_connections
         self._lock = threading.Lock()
@@ -389,6 +396,7 @@ class PeerServer:
         if header["persist_to"] is not None:
             state, error = Progress(self.layout, checkpoint, header["persist_to"]).upload_state()
             upload = {"state": state, "error": error}
+        replication = None if self.replication_state is None else self.replication_state(checkpoint)
         replicas = {}
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
             for e in os.scandir(self.layout.replicas_dir):
@@ -404,6 +412,7 @@ class PeerServer:
             "committed": committed,
             "replicas": replicas,
             "upload": upload if committed else None,
+            "replication": replication if committed else None,
         }
         self._reply(conn, nonce, fields)
 

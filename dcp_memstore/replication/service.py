@@ -20,7 +20,7 @@ from dcp_memstore.replication.placement import NodeInfo
 from dcp_memstore.replication.rdma import RdmaTransport
 from dcp_memstore.replication.replicator import Replicator
 from dcp_memstore.replication.select import choose_transport
-from dcp_memstore.replication.server import CommitHandler, PeerServer, ReplicatedHandler
+from dcp_memstore.replication.server import CommitHandler, PeerServer, ReplicatedHandler, ReplicationState
 from dcp_memstore.replication.tcp import TcpTransport
 from dcp_memstore.store.layout import StoreLayout
 
@@ -46,12 +46,13 @@ def job_node_info() -> NodeInfo | None:
 class ReplicationService:
     """The peer server and replicator of one process of job ``job_id`` (see module docstring).
 
-    ``k``: replicas of each node's files (0: none; commits still reach every node). ``on_commit`` commits
-    a checkpoint on this node when the coordinator says so; ``on_replicated`` records another node's
-    report that its files of a checkpoint are replicated (``safe_point``). ``timeout_s`` bounds the wait
-    for other ranks to announce their servers; ``io_timeout_s`` how long a peer may stay silent in a
-    transfer; ``keep`` the store's ``keep_in_memory`` (a checkpoint whose replicas are done is evicted if
-    it is past its turn)."""
+        ``k``: replicas of each node's files (0: none; commits still reach every node). ``on_commit`` commits
+        a checkpoint on this node when the coordinator says so; ``on_replicated`` records another node's
+        report that its files of a checkpoint are replicated (``safe_point``); ``replication_state`` tells
+    peers the replication state of this node's files of a checkpoint (``stat``). ``timeout_s`` bounds the wait
+        for other ranks to announce their servers; ``io_timeout_s`` how long a peer may stay silent in a
+        transfer; ``keep`` the store's ``keep_in_memory`` (a checkpoint whose replicas are done is evicted if
+        it is past its turn)."""
 
     def __init__(
         self,
@@ -64,6 +65,7 @@ class ReplicationService:
         transport: str,
         on_commit: CommitHandler,
         on_replicated: ReplicatedHandler,
+        replication_state: ReplicationState,
         timeout_s: float,
         io_timeout_s: float,
         keep: int,
@@ -89,6 +91,7 @@ class ReplicationService:
                 bind_host,
                 on_commit=on_commit,
                 on_replicated=on_replicated,
+                replication_state=replication_state,
                 rdma=endpoint,
                 io_timeout_s=io_timeout_s,
             )

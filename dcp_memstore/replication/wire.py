@@ -21,9 +21,12 @@ Conversations (one or more per connection, after the hellos; every request is au
 ``auth``)::
 
     ping: request                                         -> reply
-    stat: request {checkpoint, persist_to}                -> reply {own, committed, replicas, upload}
+    stat: request {checkpoint, persist_to}   -> reply {own, committed, replicas, upload, replication}
           ``upload``: the node's upload state of its committed copy towards target URL ``persist_to``
-          ({state, error}; nil without ``persist_to`` or where it is not committed)
+          ({state, error}; nil without ``persist_to`` or where it is not committed); ``replication``:
+          the replication state of the node's own files of its committed copy, per replica node
+          ({node<i>: replicated | pending | retrying: <error>}; nil where it is not committed or the
+          node does not replicate)
     put:  request {source, checkpoint, file, size}        -> reply (go-ahead or refusal)
           payload, trailer                                -> reply (stored, or refused: checksum, ...)
     get:  request {checkpoint, file, source, offset, length} -> reply {size}, payload, trailer
@@ -64,8 +67,8 @@ import msgpack
 import xxhash
 
 MAGIC = b"DCPM"
-VERSION = 4  # 2: requests name their server (field "to", see auth); 3: hellos, requests carry a challenge;
-# 4: the replicated op
+VERSION = 5  # 2: requests name their server (field "to", see auth); 3: hellos, requests carry a challenge;
+# 4: the replicated op; 5: stat replies carry the node's replication state
 PREFIX = MAGIC + bytes([VERSION]) + b"\0\0\0"
 _FRAME = struct.Struct(">8sI")  # prefix, header length
 MAX_HEADER_BYTES = 64 << 10
@@ -127,6 +130,10 @@ def _replica_files(v: Any) -> bool:
     return type(v) is dict and all(_str(k) and _file_sizes(f) for k, f in v.items())
 
 
+def _peer_states(v: Any) -> bool:
+    return type(v) is dict and all(_str(k) and _str(s) for k, s in v.items())
+
+
 def _upload_state(v: Any) -> bool:
     return (
         type(v) is dict
@@ -147,6 +154,7 @@ _TYPE_NAMES = {
     _file_sizes: "a map of file name to size",
     _replica_files: "a map of source node to a map of file name to size",
     _upload_state: "a map of an upload state and its error (a str or nil)",
+    _peer_states: "a map of node name to replication state",
 }
 
 
@@ -203,6 +211,7 @@ REPLIES: dict[str, dict[str, Callable[[Any], bool]]] = {
         "committed": _bool,
         "replicas": _replica_files,
         "upload": _optional(_upload_state),
+        "replication": _optional(_peer_states),
     },
     "put": {},
     "get": {"size": _uint},

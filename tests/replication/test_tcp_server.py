@@ -152,14 +152,16 @@ def test_stat_lists_own_and_replica_files(server, transport, local, peer_root):
         "committed": True,
         "replicas": {"node2": {shard_name(1, 0): 5}, "node3": {shard_name(1, 0): 7}},
         "upload": None,
+        "replication": None,
     }
     assert transport.stat(server.address, "step-2") == {
         "own": {},
         "committed": False,
         "replicas": {"node2": {"z": 1}},
         "upload": None,
+        "replication": None,
     }
-    nothing = {"own": {}, "committed": False, "replicas": {}, "upload": None}
+    nothing = {"own": {}, "committed": False, "replicas": {}, "upload": None, "replication": None}
     assert transport.stat(server.address, "nothing") == nothing
 
 
@@ -190,6 +192,26 @@ def test_stat_says_the_upload_state_of_a_committed_copy_towards_the_named_target
     assert upload() == {"state": "persisted", "error": None}
     assert upload("s3://bucket/other") == {"state": "not requested", "error": None}
     assert transport.stat(server.address, "step-1")["upload"] is None  # no target named
+
+
+def test_stat_says_the_replication_state_of_a_committed_copy(peer_root, secret, transport):
+    """A node that lacks a checkpoint asks the nodes holding it whether their files of it are replicated:
+    each says what its store's ``replication_state`` says of a copy committed there, nothing of one that
+    is not (its records would describe a copy no peer can read)."""
+    peer = StoreLayout(peer_root, JOB)
+    make_file(peer, "step-1", shard_name(0, 0), b"x")
+    states = {"node1": "replicated", "node2": "retrying: ConnectionError: down"}
+    asked = []
+
+    def replication_state(checkpoint: str) -> dict[str, str]:
+        asked.append(checkpoint)
+        return states
+
+    with PeerServer(peer_root, JOB, secret, "127.0.0.1", replication_state=replication_state) as srv:
+        assert transport.stat(srv.address, "step-1")["replication"] is None  # not committed
+        make_file(peer, "step-1", COMMITTED, b"")
+        assert transport.stat(srv.address, "step-1")["replication"] == states
+    assert asked == ["step-1", "step-1"]
 
 
 def test_concurrent_puts_from_several_threads(server, secret, local, peer_root):
@@ -346,18 +368,18 @@ def test_a_request_captured_on_its_way_to_one_server_is_refused_by_another(
 
 def test_a_node_of_another_release_gets_a_version_error(server, secret, monkeypatch):
     """Nodes running releases with different wire versions get a version error, instead of an
-    authentication error or a wait: the server refuses the previous release's request (sent without a
-    hello) by its version, the previous release reads this server's hello as another version, and a client
-    of this release reading the previous release's refusal of its hello says the same."""
+    authentication error or a wait: the server refuses the previous release's hello by its version, the
+    previous release reads this server's hello as another version, and a client of this release reading
+    the previous release's refusal of its hello says the same."""
     s = raw_connect(server.address, hello=False)
-    body = msgpack.packb({"op": "ping"})
-    s.sendall(b"DCPM\x03\x00\x00\x00" + struct.pack(">I", len(body)) + body)  # framed as that release did
+    body = msgpack.packb(wire.CLIENT_HELLO)
+    s.sendall(b"DCPM\x04\x00\x00\x00" + struct.pack(">I", len(body)) + body)  # framed as that release did
     error = refused(s, "bad_request")["error"]
-    assert "wire version 3 is not supported (this build speaks version 4)" in error
+    assert "wire version 4 is not supported (this build speaks version 5)" in error
     with socket.create_connection(server.address, timeout=10) as s, monkeypatch.context() as m:
-        m.setattr(wire, "VERSION", 3)  # reading as that release does
+        m.setattr(wire, "VERSION", 4)  # reading as that release does
         with pytest.raises(
-            wire.ProtocolError, match=r"version 4 is not supported \(this build speaks version 3"
+            wire.ProtocolError, match=r"version 5 is not supported \(this build speaks version 4"
         ):
             wire.recv_header(s)
 
@@ -368,8 +390,8 @@ def test_a_node_of_another_release_gets_a_version_error(server, secret, monkeypa
         conn, _ = old.accept()
         with conn:
             got.append(conn.recv(8))  # the prefix of the client's first frame, its hello
-            reply = msgpack.packb({"ok": False, "code": "bad_request", "error": "wire version 4 ..."})
-            conn.sendall(b"DCPM\x03\x00\x00\x00" + struct.pack(">I", len(reply)) + reply)
+            reply = msgpack.packb({"ok": False, "code": "bad_request", "error": "wire version 5 ..."})
+            conn.sendall(b"DCPM\x04\x00\x00\x00" + struct.pack(">I", len(reply)) + reply)
 
     t = threading.Thread(target=answer)
     t.start()
@@ -990,6 +1012,7 @@ def one_rank_service(layout: StoreLayout, pg_dir: Path, timeout_s: float, io_tim
             transport="tcp",
             on_commit=lambda *a: None,
             on_replicated=lambda *a: None,
+            replication_state=lambda checkpoint: None,
             timeout_s=timeout_s,
             io_timeout_s=io_timeout_s,
             keep=2,

@@ -49,7 +49,7 @@ def test_header_round_trip(pair):
 def test_frame_layout_is_magic_version_reserved_length_msgpack():
     frame = wire.pack_frame({"op": "end", "checksum": 7})
     body = msgpack.packb({"op": "end", "checksum": 7}, use_bin_type=True)
-    assert frame == b"DCPM\x04\x00\x00\x00" + struct.pack(">I", len(body)) + body
+    assert frame == b"DCPM\x05\x00\x00\x00" + struct.pack(">I", len(body)) + body
 
 
 def test_clean_eof_between_frames(pair):
@@ -75,13 +75,14 @@ def test_eof_mid_frame_is_a_connection_error(pair):
         (b"DCPM\x01\x00\x00\x00" + struct.pack(">I", 1) + b"\x80", "version 1 is not supported .* same"),
         (b"DCPM\x02\x00\x00\x00" + struct.pack(">I", 1) + b"\x80", "version 2 is not supported"),
         (b"DCPM\x03\x00\x00\x00" + struct.pack(">I", 1) + b"\x80", "version 3 is not supported"),
-        (b"DCPM\x04\x00\x01\x00" + struct.pack(">I", 1) + b"\x80", "reserved"),
-        (b"DCPM\x04\x00\x00\x00" + struct.pack(">I", 0), "header length 0"),
-        (b"DCPM\x04\x00\x00\x00" + struct.pack(">I", wire.MAX_HEADER_BYTES + 1), "header length"),
-        (b"DCPM\x04\x00\x00\x00" + struct.pack(">I", 1) + b"\xc1", "not valid msgpack"),  # 0xc1: never used
-        (b"DCPM\x04\x00\x00\x00" + struct.pack(">I", 2) + b"\x80\x80", "not valid msgpack"),  # trailing data
-        (b"DCPM\x04\x00\x00\x00" + struct.pack(">I", 1) + b"\x90", "must be a msgpack map"),
-        (b"DCPM\x04\x00\x00\x00" + struct.pack(">I", 3) + b"\x81\x01\x02", "not valid msgpack"),  # int key
+        (b"DCPM\x04\x00\x00\x00" + struct.pack(">I", 1) + b"\x80", "version 4 is not supported"),
+        (b"DCPM\x05\x00\x01\x00" + struct.pack(">I", 1) + b"\x80", "reserved"),
+        (b"DCPM\x05\x00\x00\x00" + struct.pack(">I", 0), "header length 0"),
+        (b"DCPM\x05\x00\x00\x00" + struct.pack(">I", wire.MAX_HEADER_BYTES + 1), "header length"),
+        (b"DCPM\x05\x00\x00\x00" + struct.pack(">I", 1) + b"\xc1", "not valid msgpack"),  # 0xc1: never used
+        (b"DCPM\x05\x00\x00\x00" + struct.pack(">I", 2) + b"\x80\x80", "not valid msgpack"),  # trailing data
+        (b"DCPM\x05\x00\x00\x00" + struct.pack(">I", 1) + b"\x90", "must be a msgpack map"),
+        (b"DCPM\x05\x00\x00\x00" + struct.pack(">I", 3) + b"\x81\x01\x02", "not valid msgpack"),  # int key
     ],
 )
 def test_malformed_frames_refused(pair, raw, match):
@@ -215,12 +216,21 @@ def test_reply_validation():
         "committed": False,
         "replicas": {"n": {"b": 2}},
         "upload": None,
+        "replication": None,
     }
     assert wire.validate_reply(stat, "stat") == stat
     uploading = {**stat, "upload": {"state": "retrying", "error": "ConnectionError: down"}}
     assert wire.validate_reply(uploading, "stat") == uploading
-    for bad in ({"n": {"b": "2"}}, {"state": "queued"}, {"state": "queued", "error": 1}):
-        field = "upload" if "state" in bad else "replicas"
+    replicating = {**stat, "replication": {"node1": "replicated", "node2": "retrying: down"}}
+    assert wire.validate_reply(replicating, "stat") == replicating
+    bad_fields = [
+        ("replicas", {"n": {"b": "2"}}),
+        ("upload", {"state": "queued"}),
+        ("upload", {"state": "queued", "error": 1}),
+        ("replication", {"node1": None}),
+        ("replication", ["node1"]),
+    ]
+    for field, bad in bad_fields:
         with pytest.raises(wire.ProtocolError):
             wire.validate_reply({**stat, field: bad}, "stat")
 
