@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import os
@@ -29,11 +28,11 @@ from dcp_memstore.replication.auth import check_secret
 from dcp_memstore.replication.cluster_read import ClusterCheckpoint
 from dcp_memstore.replication.peers import Peers
 from dcp_memstore.replication.recovery import inventory, readable
-from dcp_memstore.replication.replicator import REPLICA_HOLD, ReplicaRecords, node_files
+from dcp_memstore.replication.replicator import REPLICA_HOLD, ReplicaRecords
 from dcp_memstore.replication.select import TRANSPORTS
 from dcp_memstore.replication.service import ReplicationService
 from dcp_memstore.replication.tcp import TcpTransport
-from dcp_memstore.status import NOT_IN_MEMORY, CheckpointStatus
+from dcp_memstore.status import CheckpointStatus
 from dcp_memstore.store import catalog, liveness, space
 from dcp_memstore.store.collective import all_gather_records, dist_active
 from dcp_memstore.store.environment import LOCAL_WORLD_SIZE_MEANING, env_int
@@ -441,21 +440,12 @@ class MemStore(PersistingStore, ReplicatingStore):
 
     def status(self, checkpoint_id: str) -> CheckpointStatus:
         """Where ``checkpoint_id`` is: in this node's memory, its replicas on other nodes, and its upload
-        state (see CheckpointStatus)."""
+        state (see CheckpointStatus). On a node whose memory does not hold it, the other nodes' memory
+        is asked (once) what they hold of it; FileNotFoundError if no tier holds it."""
         self.check_open()
-        st = self._persist_status(checkpoint_id)
-        if not st.in_memory and self._replicating():  # its files here are replicated by no one
-            st = dataclasses.replace(st, replication=NOT_IN_MEMORY)
-        elif st.in_memory and self._replicating():
-            files = node_files(self.layout, st.checkpoint_id)
-            replicas = ReplicaRecords(self.layout, st.checkpoint_id).peer_states(
-                files, self._replica_targets()
-            )
-            ok = all(v == "replicated" for v in replicas.values())
-            st = dataclasses.replace(
-                st, replication="replicated" if ok else "under-replicated", replicas=replicas
-            )
-        return st
+        cid = validate_name(checkpoint_id)
+        cluster = functools.cache(functools.partial(self._cluster_copy, cid))
+        return self._with_replication(self._persist_status(cid, cluster), cluster)
 
     def after_commit(self) -> None:
         """Retention after a commit on this node: evict beyond ``keep_in_memory`` (with the replicas and

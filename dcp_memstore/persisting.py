@@ -8,9 +8,11 @@ themselves run in ``persist/persister.py``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
+from collections.abc import Callable
 
 from dcp_memstore.errors import PersistError
 from dcp_memstore.persist.persister import global_rank, node_share
@@ -18,6 +20,7 @@ from dcp_memstore.persist.progress import PERSIST_HOLD, PRESSING, Progress, is_o
 from dcp_memstore.persist.publish import read_parts, remote_commit
 from dcp_memstore.persist.remote_read import RemoteCheckpoint
 from dcp_memstore.persist.target import describe
+from dcp_memstore.replication.cluster_read import ClusterCheckpoint
 from dcp_memstore.status import CheckpointStatus
 from dcp_memstore.store import catalog
 from dcp_memstore.store.ids import validate_name
@@ -64,21 +67,23 @@ class PersistingStore:
         if self._persister is not None:
             self._persister.wake()
 
-    def _persist_status(self, checkpoint_id: str) -> CheckpointStatus:
-        cid = validate_name(checkpoint_id)
+    def _persist_status(self, cid: str, cluster: Callable[[], ClusterCheckpoint | None]) -> CheckpointStatus:
+        """The upload state of ``cid`` (a valid name), with ``in_memory``; ``cluster`` gives the checkpoint
+        as the other nodes' memory holds it (asked only if this node's memory does not; see
+        ``MemStore.status``). FileNotFoundError naming the checkpoints that exist if no tier holds it."""
         in_memory = catalog.read_commit(self.layout, cid) is not None
         if self.target is None:
-            if not in_memory:
-                self.require_checkpoint(cid)
+            if not in_memory and cluster() is None:
+                return self._held_nowhere(cid)
             return CheckpointStatus(cid, in_memory, "off")
         url = self.target.url_of(cid)
         if not in_memory:
-            return self._status_elsewhere(cid, url)
+            return self._status_elsewhere(cid, url, cluster)
         st = self._local_persist_status(cid, url)
         # Eviction renames the checkpoint's directory away at once: if it is still there, every record read
         # above was this checkpoint's; if not (published and evicted meanwhile), ask again.
         if catalog.read_commit(self.layout, cid) is None:
-            return self._persist_status(cid)
+            return self._persist_status(cid, cluster)
         if st is None:
             raise FileNotFoundError(
                 f"checkpoint {cid!r} is committed in {self.layout.checkpoint_dir(cid)} "
@@ -100,7 +105,9 @@ class PersistingStore:
         published = url if state == "persisted" else None
         return CheckpointStatus(cid, True, state, error=error, persisted_url=published, **counts)
 
-    def _status_elsewhere(self, cid: str, url: str) -> CheckpointStatus:
+    def _status_elsewhere(
+        self, cid: str, url: str, cluster: Callable[[], ClusterCheckpoint | None]
+    ) -> CheckpointStatus:
         """The upload state of ``cid``, which this node's memory does not hold: ``persisted`` if it is
         published; else, if other nodes of the job hold it in memory, the most pressing state their
         records say (each node uploads its own files: the checkpoint is published once all have); else a
@@ -113,13 +120,12 @@ class PersistingStore:
         published, unread = self._published(cid)
         if published:
             return CheckpointStatus(cid, False, "persisted", persisted_url=url)
-        cluster = self._cluster_copy(cid)
-        if cluster is None:
+        held = cluster()
+        if held is None:
             if unread is not None:
                 raise unread
-            self.open_checkpoint(cid)  # raises FileNotFoundError naming what exists, unless it just appeared
-            return self._persist_status(cid)
-        states = dict(cluster.uploads.values())
+            return self._held_nowhere(cid)
+        states = dict(held.uploads.values())
         # a node that says persisted: published since the first look, or removed from the target since
         if "persisted" in states:
             published, unread = self._published(cid)
@@ -129,6 +135,12 @@ class PersistingStore:
                 states.setdefault("retrying", f"cannot read {url}: {describe(unread)}")
         state = next((s for s in PRESSING if s in states), "not requested")
         return CheckpointStatus(cid, False, state, error=states.get(state))
+
+    def _held_nowhere(self, cid: str) -> CheckpointStatus:
+        """The status of ``cid``, which neither this node's memory nor the other nodes' held when asked:
+        FileNotFoundError naming the checkpoints that exist, unless it appeared meanwhile."""
+        self.open_checkpoint(cid)
+        return self._persist_status(cid, functools.cache(functools.partial(self._cluster_copy, cid)))
 
     def _published(self, cid: str) -> tuple[bool, Exception | None]:
         """Whether ``cid`` is published in the target (its commit marker is there), and the error reading

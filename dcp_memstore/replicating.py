@@ -14,6 +14,7 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -23,6 +24,7 @@ from dcp_memstore.persist.persister import local_rank_and_size
 from dcp_memstore.persist.progress import Progress, is_owed
 from dcp_memstore.replication import safe_point
 from dcp_memstore.replication.cluster_read import ClusterCheckpoint
+from dcp_memstore.replication.cluster_status import cluster_replicas
 from dcp_memstore.replication.peers import Peers, default_bind_host
 from dcp_memstore.replication.placement import NodeInfo, replica_targets
 from dcp_memstore.replication.recovery import inventory, orphans, restore, resync, take_over, unheld
@@ -30,7 +32,7 @@ from dcp_memstore.replication.replicator import ReplicaRecords, node_files
 from dcp_memstore.replication.service import ReplicationService, job_node_info
 from dcp_memstore.replication.tcp import TcpTransport
 from dcp_memstore.replication.transport import format_peer
-from dcp_memstore.status import NOT_IN_MEMORY, CheckpointStatus
+from dcp_memstore.status import NOT_IN_MEMORY, CheckpointStatus, replication_of
 from dcp_memstore.store import catalog
 from dcp_memstore.store.collective import dist_active
 from dcp_memstore.store.ids import validate_name
@@ -335,11 +337,29 @@ class ReplicatingStore:
             node_files(self.layout, cid), self._replica_targets()
         )
 
+    def _with_replication(
+        self, st: CheckpointStatus, cluster: Callable[[], ClusterCheckpoint | None]
+    ) -> CheckpointStatus:
+        """``st`` with its replication (see CheckpointStatus): from this node's records where its memory
+        holds the checkpoint, else from what the other nodes' memory holds of it (``cluster``)."""
+        if not self._replicating():
+            return st
+        replicas = self._replication_state(st.checkpoint_id) if st.in_memory else None
+        if replicas is None:
+            held = cluster()
+            if held is None:
+                return dataclasses.replace(st, replication=NOT_IN_MEMORY)
+            replicas = cluster_replicas(held)
+        return dataclasses.replace(st, replication=replication_of(replicas), replicas=replicas)
+
     def wait_replicated(self, checkpoint_id: str, timeout: float | None = None) -> CheckpointStatus:
-        """Block until this node's files of ``checkpoint_id`` are acknowledged by every replica node.
-        Returns at once when replication is off (one node, or ``replicas=0``). FileNotFoundError if this
-        node's memory does not hold it (no waiting here makes it replicated), TimeoutError after
-        ``timeout`` seconds, saying which peers lack it and why."""
+        """Block until ``checkpoint_id`` is replicated (see CheckpointStatus): where this node's memory
+        holds it, until every replica node acknowledged this node's files; where it does not, until every
+        file of it is kept by its node and that node's replica nodes. Returns at once when replication is
+        off (one node, or ``replicas=0``). FileNotFoundError if no node's memory holds it, or if this
+        node's memory does not and some files will stay under-replicated whatever the wait (``stalled``:
+        a node's files that only replicas keep); TimeoutError after ``timeout`` seconds, saying which
+        replicas are missing and why."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             st = self.status(checkpoint_id)
@@ -347,9 +367,17 @@ class ReplicatingStore:
                 return st
             if st.replication == NOT_IN_MEMORY:
                 raise FileNotFoundError(
-                    f"checkpoint {st.checkpoint_id!r} is not in this node's memory (committed here: "
-                    f"{self.list_checkpoints() or 'none'}; persisted: {st.persist}), so no file of it is "
-                    "replicated from here: call wait_replicated on the nodes that hold it"
+                    f"checkpoint {st.checkpoint_id!r} is in no node's memory (committed here: "
+                    f"{self.list_checkpoints() or 'none'}; persisted: {st.persist}), so none of its files "
+                    "is replicated"
+                )
+            if st.stalled:
+                raise FileNotFoundError(
+                    f"checkpoint {st.checkpoint_id!r} is not in this node's memory, and waiting does not "
+                    f"make it replicated: {st.stalled} (all: {st.replicas}). The files of a node that "
+                    "does not hold it are kept only as replicas, which nothing replicates again: "
+                    "latest_checkpoint() on every rank restores the newest checkpoint on the nodes that "
+                    "lack it and sends lost replicas again; persist an older one (store.persist(id))"
                 )
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(

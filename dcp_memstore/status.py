@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PERSIST_STATES = ("off", "not requested", "queued", "uploading", "retrying", "failed", "persisted")
-NOT_IN_MEMORY = "not in memory"  # replication on, but this node's memory does not hold the checkpoint
+NOT_IN_MEMORY = "not in memory"  # replication on, but no node's memory holds the checkpoint
+# states of ``replicas`` entries that waiting may change: replication in progress, or a node away
+IN_FLIGHT = ("pending", "retrying", "unreachable")
+
+
+def replication_of(replicas: dict[str, str]) -> str:
+    """The ``replication`` summary of the ``replicas`` entries: ``replicated`` if every entry is."""
+    return "replicated" if all(v == "replicated" for v in replicas.values()) else "under-replicated"
 
 
 @dataclass(frozen=True)
@@ -25,11 +32,24 @@ class CheckpointStatus:
     uploads its own files), and the file counts are 0. While persistent storage cannot be read, a node's
     ``persisted`` shows as ``retrying`` (``error``: the read error) until the commit marker is seen.
 
-    ``replication``: ``off`` (one node, or ``replicas=0``), ``replicated`` (every replica node has
-    acknowledged this node's files), ``under-replicated``, or ``not in memory`` (replication is on, but
-    this node's memory does not hold the checkpoint: it replicates none of its files, whatever the nodes
-    that hold it do; ``wait_replicated`` raises); ``replicas`` says it per peer node (``node<i>``:
-    ``replicated``, ``pending`` or ``retrying: <error>``).
+    ``replication``: ``off`` (one node, or ``replicas=0``), ``replicated``, ``under-replicated``, or
+    ``not in memory`` (replication is on, but no node's memory holds the checkpoint: only persistent
+    storage does; ``wait_replicated`` raises). ``replicas`` says why, per entry; ``replicated`` means
+    every entry is ``replicated``.
+
+    Where this node's memory holds the checkpoint, ``replicas`` has one entry per replica node of this
+    node's files (``node<i>``: ``replicated``, ``pending`` or ``retrying: <error>``).
+
+    Where it does not (a node replaced and not restored yet, or one that deleted its copy) but other
+    nodes' memory does, ``replicas`` is the job's view (``replication.cluster_status``): for each node
+    that holds its copy, the replication of its files to each of its replica nodes (``node<i>->node<j>``:
+    ``replicated``, ``pending``, ``retrying: <error>``, or ``lost``: acknowledged, but that node no
+    longer holds them); for each node that does not, this one included, where its files are kept
+    (``node<i>``: ``not in memory; replicas on <nodes>`` or ``not in memory; no replica``): nothing
+    replicates those again until that node restores the checkpoint, so the checkpoint is
+    ``under-replicated``; ``node<i>``: ``unreachable`` for a node that did not answer, and ``not
+    replicating`` for one that holds its copy but does not replicate (``replicas=0`` there).
+    ``stalled`` lists the entries that waiting does not change (``wait_replicated`` raises on them).
     """
 
     checkpoint_id: str
@@ -45,6 +65,11 @@ class CheckpointStatus:
     @property
     def replicated(self) -> bool:
         return self.replication == "replicated"
+
+    @property
+    def stalled(self) -> dict[str, str]:
+        """The ``replicas`` entries that are not replicated and that no replication in progress changes."""
+        return {k: v for k, v in self.replicas.items() if v != "replicated" and not v.startswith(IN_FLIGHT)}
 
     @property
     def persisted(self) -> bool:

@@ -17,13 +17,16 @@
           test kills the job. With ``--settle``, wait after the saves until this node keeps only the
           newest ``--keep`` checkpoints and report them with their retention holds.
           With ``--not-here N``, node 1 deletes step N from its memory and reports what ``status`` and
-          ``wait_replicated`` say of it there (node 0 still holds it).
+          ``wait_replicated`` say of it there (node 0 still holds it), and what ``status`` says of a
+          step no node holds.
           With ``--waiting N`` (likewise), node 0 uploads its share of step N and waits for node 1's,
           which is not asked until node 0 reports the state it shows once the test made the target
           unreadable (node 0's upload retries) and readable again.
     load: ``latest_checkpoint()``, then ``dcp.load`` into fresh tensors and compare bit for bit with what
           that step saved (the world size may differ from the save's); with ``--wait-persisted N``, every
-          rank then waits for step N's upload and reports how it ended.
+          rank then waits for step N's upload and reports how it ended. With ``--before-restore N``
+          (one rank per node), node 1 first reports step N as ``--not-here`` does (a replaced node: before
+          ``latest_checkpoint()`` restores its copy).
 
     close-alone: rank 0 creates its MemStore, waits until each checkpoint its node holds is replicated,
           and closes it; rank 1 never creates one (as a rank that failed before), so rank 0's replicator
@@ -231,16 +234,25 @@ def waiting(store: MemStore, cid: str, tmp: Path) -> None:
 
 
 def not_here(store: MemStore, cid: str) -> None:
-    """Delete ``cid`` from this node's memory, then report its status and how ``wait_replicated`` ends."""
+    """Delete ``cid`` from this node's memory, then report what this node says of it (``report_status``)."""
     store.delete(cid)
+    report_status(store, cid, "not-here")
+
+
+def report_status(store: MemStore, cid: str, event: str) -> None:
+    """Report ``status(cid)``, how ``wait_replicated(cid)`` ends, and what ``status`` says of a checkpoint
+    that no node holds."""
     st = store.status(cid)
     try:
         outcome = f"returned {store.wait_replicated(cid, timeout=5).replication}"
     except Exception as e:  # noqa: BLE001 - reported to the test
         outcome = f"{type(e).__name__}: {e}"
-    emit(
-        event="not-here", checkpoint=cid, in_memory=st.in_memory, replication=st.replication, outcome=outcome
-    )
+    try:
+        nowhere = f"returned {store.status('step-999')}"
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        nowhere = f"{type(e).__name__}: {e}"
+    emit(event=event, checkpoint=cid, in_memory=st.in_memory, persist=st.persist,
+         replication=st.replication, replicas=st.replicas, outcome=outcome, nowhere=nowhere)  # fmt: skip
 
 
 def watch(store: MemStore, cid: str, tmp: Path) -> None:
@@ -271,6 +283,8 @@ def watch(store: MemStore, cid: str, tmp: Path) -> None:
 
 
 def load(args, store: MemStore, mesh) -> None:
+    if args.before_restore and dist.get_rank() == 1:
+        report_status(store, f"step-{args.before_restore}", "before-restore")
     cid = store.latest_checkpoint()
     emit(event="latest", checkpoint=cid, here=store.list_checkpoints())
     if args.wait_persisted:
@@ -331,6 +345,7 @@ def main() -> None:
     p.add_argument("--unreachable", type=int, default=0, help="as --elsewhere, the target unreadable")
     p.add_argument("--waiting", type=int, default=0, help="after saving, node 0 waits for node 1's share")
     p.add_argument("--not-here", type=int, default=0, help="after saving, delete this step on node 1")
+    p.add_argument("--before-restore", type=int, default=0, help="node 1 reports this step, then loads")
     p.add_argument("--serve-until", default=None, help="after saving, serve until this file appears in --tmp")
     p.add_argument("--gate", type=int, default=0, help="after this step is replicated, wait for --tmp/go")
     p.add_argument("--hang", action="store_true", help="after saving, wait to be killed")

@@ -152,7 +152,24 @@ def test_three_nodes_replicate_lose_a_node_restore_and_refuse_outsiders(cluster3
         assert originals[i] and replica_files(roots[(i + 1) % 3], f"node{i}", "step-2") == originals[i]
 
     cluster3.node(1).wipe_root()  # node 1 is replaced by an empty machine
-    loaded = run_job(cluster3, nodes, ["load", "--tmp", tmp_path, "--wait-replicated"], tmp_path)
+    args = ["load", "--tmp", tmp_path, "--wait-replicated", "--before-restore", 2]
+    loaded = run_job(cluster3, nodes, args, tmp_path)
+    # before latest_checkpoint() restores it, node 1 tells from the other nodes' memory that step 2
+    # would not survive losing one more node: its files are only in the replica on node 2, and the one
+    # node 0 was acknowledged for went with node 1's memory
+    (before,) = of(loaded[1], "before-restore")
+    assert before == {
+        **before,
+        "in_memory": False,
+        "persist": "off",
+        "replication": "under-replicated",
+        "replicas": {
+            "node0->node1": "lost",
+            "node2->node0": "replicated",
+            "node1": "not in memory; replicas on node2",
+        },
+    }, before
+    assert "waiting does not make it replicated" in before["outcome"], before
     for evs in loaded:
         (latest,) = of(evs, "latest")
         assert latest["checkpoint"] == "step-2"
@@ -258,17 +275,29 @@ def test_a_node_serving_on_loopback_fails_the_first_save_naming_it(cluster2, tmp
     assert "DCP_MEMSTORE_BIND" in log0
 
 
-def test_wait_replicated_on_a_node_without_the_checkpoint_says_so(cluster2, tmp_path):
-    """Node 1 deletes step 1 from its memory; node 0 still holds it (so status() there answers from node
-    0, with persist_to). Replication is on: node 1's status does not say "off", and wait_replicated does
-    not return as if the checkpoint were safe, but raises saying node 1 does not hold it."""
-    args = ["save", "--steps", 1, "--wait-replicated", "--not-here", 1,
-            "--persist-to", tmp_path / "persisted", "--persist-every", 0]  # fmt: skip
-    (_, evs) = run_job(cluster2, [0, 1], args, tmp_path)
+@pytest.mark.parametrize("persist", [True, False], ids=["persist_to", "no_persist_to"])
+def test_a_node_without_the_checkpoint_reports_the_jobs_replication_of_it(cluster2, tmp_path, persist):
+    """Node 1 deletes step 1 from its memory (and with it the replica of node 0's files it kept); node 0
+    still holds it. Node 1's status reports it from node 0's memory, with or without persist_to: node
+    0's files are acknowledged but their replica is lost, and node 1's own files are kept only as the
+    replica on node 0, so the checkpoint is under-replicated, and wait_replicated raises at once saying
+    that waiting does not change it and how to. A checkpoint that no node holds is not found."""
+    to = ["--persist-to", tmp_path / "persisted", "--persist-every", 0] if persist else []
+    (_, evs) = run_job(
+        cluster2, [0, 1], ["save", "--steps", 1, "--wait-replicated", "--not-here", 1, *to], tmp_path
+    )
     (report,) = of(evs, "not-here")
-    assert report == {**report, "in_memory": False, "replication": "not in memory"}, report
+    assert report == {
+        **report,
+        "in_memory": False,
+        "persist": "not requested" if persist else "off",
+        "replication": "under-replicated",
+        "replicas": {"node0->node1": "lost", "node1": "not in memory; replicas on node0"},
+    }, report
     assert report["outcome"].startswith("FileNotFoundError"), report
-    assert "not in this node's memory" in report["outcome"] and "nodes that hold it" in report["outcome"]
+    assert "waiting does not make it replicated" in report["outcome"], report
+    assert "latest_checkpoint()" in report["outcome"], report
+    assert report["nowhere"].startswith("FileNotFoundError: checkpoint 'step-999' not found"), report
 
 
 def test_a_rank_that_never_announced_its_server_blocks_neither_status_nor_close(cluster2, tmp_path):
