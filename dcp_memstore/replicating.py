@@ -210,7 +210,7 @@ class ReplicatingStore:
                     transport=self.transport,
                     on_commit=self._commit_here,
                     on_replicated=self._replicated_elsewhere,
-                    replication_state=self._replication_state,
+                    replication_state=functools.partial(self._replication_state, node=node),
                     timeout_s=self.stage_timeout_s,
                     io_timeout_s=self.replication_timeout_s,
                     keep=self.keep_in_memory,
@@ -235,16 +235,17 @@ class ReplicatingStore:
         process, the training process's peers'); None before either exists."""
         return self._service.node if self._service is not None else self._peers.node if self._peers else None
 
-    def _replicating(self) -> bool:
-        """Whether this node's checkpoints are replicated (several nodes and ``replicas`` >= 1)."""
-        node = self._node()
+    def _replicating(self, node: NodeInfo | None = None) -> bool:
+        """Whether this node's checkpoints are replicated (several nodes and ``replicas`` >= 1), this
+        process's place in the job being ``node`` (default: ``_node()``)."""
+        node = node if node is not None else self._node()
         return bool(self.replicas) and node is not None and node.multi_node
 
-    def _replica_targets(self) -> list[int]:
+    def _replica_targets(self, node: NodeInfo | None = None) -> list[int]:
         """The nodes this node's files are replicated to (where ``_replicating``), from this process's
-        place in the job alone: not waiting for the peers' server addresses, which a rank that never
-        announced its server makes last ``stage_timeout_s``."""
-        node = self._node()
+        place in the job alone (``node``, default ``_node()``): not waiting for the peers' server
+        addresses, which a rank that never announced its server makes last ``stage_timeout_s``."""
+        node = node if node is not None else self._node()
         return replica_targets(node.node_rank, node.nnodes, self.replicas)
 
     def prepare_everywhere(self, record: catalog.CommitRecord, manifest: bytes) -> catalog.CommitRecord:
@@ -326,15 +327,16 @@ class ReplicatingStore:
         if ours and safe_point.Reports(self.layout, cid).record(node, committed_at):
             safe_point.advance(self.layout, self._service.node.nnodes, self.keep_in_memory)
 
-    def _replication_state(self, checkpoint_id: str) -> dict[str, str] | None:
+    def _replication_state(self, checkpoint_id: str, node: NodeInfo | None = None) -> dict[str, str] | None:
         """Per replica node, the replication state of this node's files of ``checkpoint_id``
         (``replicated``, ``pending`` or ``retrying: <error>``); None if this node's memory does not hold
-        it or its checkpoints are not replicated. Also what this node's server tells peers (``stat``)."""
+        it or its checkpoints are not replicated. Also what this node's server tells peers (``stat``),
+        with its ``node``: the server answers before the service that runs it is this store's."""
         cid = validate_name(checkpoint_id)
-        if not self._replicating() or catalog.read_commit(self.layout, cid) is None:
+        if not self._replicating(node) or catalog.read_commit(self.layout, cid) is None:
             return None
         return ReplicaRecords(self.layout, cid).peer_states(
-            node_files(self.layout, cid), self._replica_targets()
+            node_files(self.layout, cid), self._replica_targets(node)
         )
 
     def _with_replication(
