@@ -48,6 +48,7 @@ class ClusterCheckpoint:
         # where that node does not replicate (``stat``)
         self.replication: dict[int, dict[str, str] | None] = {}
         self.unreachable: list[int] = []
+        self.listed = 0  # how many data files (all nodes') the checkpoint's manifest lists
         me = peers.node.node_rank
         order = [(me + d) % peers.node.nnodes for d in range(peers.node.nnodes)]
         for node, st in zip(order, run_parallel(self._stat, order, len(order), pool="cluster"), strict=True):
@@ -57,6 +58,7 @@ class ClusterCheckpoint:
             if st["committed"]:
                 self.committed_on.append(node)
                 self.replication[node] = st["replication"]
+                self.listed = max(self.listed, st["listed"])
                 if st["upload"] is not None:
                     self.uploads[node] = (st["upload"]["state"], st["upload"]["error"])
                 for f in st["own"]:

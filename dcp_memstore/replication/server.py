@@ -12,8 +12,8 @@ under ``replicas/`` and ``fetched/`` (files a reader fetched from a peer). A nod
 only once their checkpoint is committed there. ``stat`` also says this
 node's upload state of a committed checkpoint towards the target the peer names (its records on tmpfs,
 ``persist.progress``) and, from the store's ``replication_state`` callback, the replication state of the
-node's own files of it: a node that lacks the checkpoint tells from them whether it is being persisted
-and replicated.
+node's own files of it, and how many data files its manifest lists: a node that lacks the checkpoint
+tells from them whether it is being persisted and replicated.
 The ``commit`` op (the coordinator preparing, committing or aborting a checkpoint on this node; a prepare
 carries the manifest, whose SHA-256 the signed header names) is handed to the store's ``on_commit``
 callback; a server without one refuses it. Likewise ``replicated`` (a node's files of a checkpoint are
@@ -67,6 +67,7 @@ from dcp_memstore.replication.auth import (
     sign_reply,
 )
 from dcp_memstore.replication.rdma_verbs import VerbsError, buffer_address
+from dcp_memstore.replication.replicator import manifest_files
 from dcp_memstore.replication.transport import (
     IncomingFile,
     OutgoingFile,
@@ -396,7 +397,7 @@ class PeerServer:
         if header["persist_to"] is not None:
             state, error = Progress(self.layout, checkpoint, header["persist_to"]).upload_state()
             upload = {"state": state, "error": error}
-        replication = None if self.replication_state is None else self.replication_state(checkpoint)
+        replication, listed = self._replication_of(checkpoint)
         replicas = {}
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
             for e in os.scandir(self.layout.replicas_dir):
@@ -413,8 +414,19 @@ class PeerServer:
             "replicas": replicas,
             "upload": upload if committed else None,
             "replication": replication if committed else None,
+            "listed": listed if committed else 0,
         }
         self._reply(conn, nonce, fields)
+
+    def _replication_of(self, checkpoint: str) -> tuple[dict[str, str] | None, int]:
+        """For ``stat``: the replication state of this node's files of ``checkpoint`` (``replication_state``)
+        and how many data files its manifest lists; (None, 0) where its commit marker is corrupt (its
+        files are served as they are, but it says nothing of the save)."""
+        try:
+            replication = None if self.replication_state is None else self.replication_state(checkpoint)
+            return replication, len(manifest_files(self.layout, checkpoint))
+        except ValueError:
+            return None, 0
 
     def _incoming_replica(self, header: dict) -> tuple[IncomingFile, str]:
         """The checks of a ``put`` (names, size limit, space) and, if they pass, the preallocated temporary

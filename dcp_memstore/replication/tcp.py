@@ -256,7 +256,7 @@ class TcpTransport(Transport):
         checkpoint = validate_name(checkpoint, "checkpoint id")
         with self._call(peer_addr, f"asking what it holds of checkpoint {checkpoint}") as call:
             _, reply = call.request("stat", {"checkpoint": checkpoint, "persist_to": persist_to})
-        return {k: reply[k] for k in ("own", "committed", "replicas", "upload", "replication")}
+        return {k: reply[k] for k in ("own", "committed", "replicas", "upload", "replication", "listed")}
 
     def close(self) -> None:
         """Refuse new calls and end those in flight (their sockets are shut down)."""

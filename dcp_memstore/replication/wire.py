@@ -21,12 +21,14 @@ Conversations (one or more per connection, after the hellos; every request is au
 ``auth``)::
 
     ping: request                                         -> reply
-    stat: request {checkpoint, persist_to}   -> reply {own, committed, replicas, upload, replication}
+    stat: request {checkpoint, persist_to}
+          -> reply {own, committed, replicas, upload, replication, listed}
           ``upload``: the node's upload state of its committed copy towards target URL ``persist_to``
           ({state, error}; nil without ``persist_to`` or where it is not committed); ``replication``:
           the replication state of the node's own files of its committed copy, per replica node
           ({node<i>: replicated | pending | retrying: <error>}; nil where it is not committed or the
-          node does not replicate)
+          node does not replicate); ``listed``: how many data files (all nodes') the manifest of its
+          committed copy lists (0 where it is not committed)
     put:  request {source, checkpoint, file, size}        -> reply (go-ahead or refusal)
           payload, trailer                                -> reply (stored, or refused: checksum, ...)
     get:  request {checkpoint, file, source, offset, length} -> reply {size}, payload, trailer
@@ -212,6 +214,7 @@ REPLIES: dict[str, dict[str, Callable[[Any], bool]]] = {
         "replicas": _replica_files,
         "upload": _optional(_upload_state),
         "replication": _optional(_peer_states),
+        "listed": _uint,
     },
     "put": {},
     "get": {"size": _uint},

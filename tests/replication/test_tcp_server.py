@@ -31,7 +31,7 @@ from dcp_memstore.replication import server as server_module
 from dcp_memstore.replication.auth import destination, new_secret
 from dcp_memstore.replication.placement import NodeInfo
 from dcp_memstore.replication.service import ReplicationService
-from dcp_memstore.store import liveness
+from dcp_memstore.store import catalog, liveness
 from dcp_memstore.store.checksum import checksum_bytes
 from dcp_memstore.store.ids import MAX_ID_LENGTH
 from dcp_memstore.store.layout import COMMITTED, StoreLayout, part_name, shard_name
@@ -153,6 +153,7 @@ def test_stat_lists_own_and_replica_files(server, transport, local, peer_root):
         "replicas": {"node2": {shard_name(1, 0): 5}, "node3": {shard_name(1, 0): 7}},
         "upload": None,
         "replication": None,
+        "listed": 0,
     }
     assert transport.stat(server.address, "step-2") == {
         "own": {},
@@ -160,8 +161,16 @@ def test_stat_lists_own_and_replica_files(server, transport, local, peer_root):
         "replicas": {"node2": {"z": 1}},
         "upload": None,
         "replication": None,
+        "listed": 0,
     }
-    nothing = {"own": {}, "committed": False, "replicas": {}, "upload": None, "replication": None}
+    nothing = {
+        "own": {},
+        "committed": False,
+        "replicas": {},
+        "upload": None,
+        "replication": None,
+        "listed": 0,
+    }
     assert transport.stat(server.address, "nothing") == nothing
 
 
@@ -197,21 +206,18 @@ def test_stat_says_the_upload_state_of_a_committed_copy_towards_the_named_target
 def test_stat_says_the_replication_state_of_a_committed_copy(peer_root, secret, transport):
     """A node that lacks a checkpoint asks the nodes holding it whether their files of it are replicated:
     each says what its store's ``replication_state`` says of a copy committed there, nothing of one that
-    is not (its records would describe a copy no peer can read)."""
+    is not (its records would describe a copy no peer can read) or whose commit marker is corrupt (its
+    files are still listed)."""
     peer = StoreLayout(peer_root, JOB)
     make_file(peer, "step-1", shard_name(0, 0), b"x")
     states = {"node1": "replicated", "node2": "retrying: ConnectionError: down"}
-    asked = []
-
-    def replication_state(checkpoint: str) -> dict[str, str]:
-        asked.append(checkpoint)
-        return states
-
-    with PeerServer(peer_root, JOB, secret, "127.0.0.1", replication_state=replication_state) as srv:
+    with PeerServer(peer_root, JOB, secret, "127.0.0.1", replication_state=lambda c: states) as srv:
         assert transport.stat(srv.address, "step-1")["replication"] is None  # not committed
-        make_file(peer, "step-1", COMMITTED, b"")
+        catalog.commit(peer, "step-1", 1)
         assert transport.stat(srv.address, "step-1")["replication"] == states
-    assert asked == ["step-1", "step-1"]
+        (peer.checkpoint_dir("step-1") / COMMITTED).write_bytes(b"")  # corrupt
+        corrupt = transport.stat(srv.address, "step-1")
+        assert corrupt["replication"] is None and corrupt["own"] == {shard_name(0, 0): 1, COMMITTED: 0}
 
 
 def test_concurrent_puts_from_several_threads(server, secret, local, peer_root):

@@ -217,6 +217,7 @@ def test_reply_validation():
         "replicas": {"n": {"b": 2}},
         "upload": None,
         "replication": None,
+        "listed": 0,
     }
     assert wire.validate_reply(stat, "stat") == stat
     uploading = {**stat, "upload": {"state": "retrying", "error": "ConnectionError: down"}}
@@ -229,6 +230,8 @@ def test_reply_validation():
         ("upload", {"state": "queued", "error": 1}),
         ("replication", {"node1": None}),
         ("replication", ["node1"]),
+        ("listed", None),
+        ("listed", -1),
     ]
     for field, bad in bad_fields:
         with pytest.raises(wire.ProtocolError):
