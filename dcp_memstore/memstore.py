@@ -452,9 +452,11 @@ class MemStore(PersistingStore, ReplicatingStore):
         fetched files of evicted checkpoints, and those of checkpoints this node no longer has), trim the
         pools of reusable files, wake the replicator."""
         # without persist_to, no upload will ever release a persist hold (one left by an earlier run);
-        # without replication, no report will move the safe point (holds left by a multi-node run)
+        # without replication, no replica is sent and no report moves the safe point: the replication
+        # holds a multi-node run left (its processes killed while replicating) would pin their
+        # checkpoints for good in a job restarted on one node
         ignored = () if self.target is not None else (PERSIST_HOLD,)
-        ignored += () if self._replicating() else safe_point.HOLDS
+        ignored += () if self._replicating() else _REPLICATION_HOLDS
         catalog.evict(self.layout, self.keep_in_memory, ignored)
         catalog.drop_stale_copies(self.layout)
         self._trim_pools()

@@ -1,8 +1,8 @@
 """A multi-node job for the replication tests, run by torchrun on every node of a namespace cluster.
 
-    save: checkpoint steps 1..N (``dcp.save``), each a DTensor sharded over all ranks (``Shard(0)``), a
-          replicated tensor and an int; optionally wait until replicated or persisted, wait for the test's
-          go-ahead.
+    save: checkpoint steps 1..N (``dcp.save``; ``--first F``: steps F..F+N-1), each a DTensor sharded
+          over all ranks (``Shard(0)``), a replicated tensor and an int; optionally wait until replicated
+          or persisted, wait for the test's go-ahead.
           With ``--owe N``, rank 0 (``--owe-rank``) alone asks for step N's upload after the saves and
           reports once its node's share is uploaded (the other nodes never upload theirs).
           With ``--elsewhere N`` (two nodes, one rank each), node 1 uploads its share of step N, deletes
@@ -83,7 +83,7 @@ def wait_for(path: Path, timeout: float) -> None:
 
 
 def save(args, store: MemStore, mesh) -> None:
-    for step in range(1, args.steps + 1):
+    for step in range(args.first, args.first + args.steps):
         cid = f"step-{step}"
         dcp.save(state(step, args.mib, mesh), checkpoint_id=cid, storage_writer=MemoryStorageWriter(store))
         emit(event="saved", step=step)
@@ -330,6 +330,7 @@ def main() -> None:
     p.add_argument("phase", choices=["save", "load", "close-alone"])
     p.add_argument("--job", default="mn")
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--first", type=int, default=1, help="the step number of the first save")
     p.add_argument("--mib", type=int, default=4, help="size of the sharded tensor (all ranks)")
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--keep", type=int, default=2)

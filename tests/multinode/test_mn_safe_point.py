@@ -79,3 +79,33 @@ def test_the_old_safe_point_is_evicted_once_a_newer_checkpoint_is_replicated_on_
     for i in range(3):
         kept = cluster3.node((i + 1) % 3).root / JOB / "replicas" / f"node{i}"
         assert sorted(p.name for p in kept.iterdir()) == ["step-3"]
+
+
+def test_replication_holds_of_a_killed_multi_node_run_do_not_pin_checkpoints_on_one_node(cluster2, tmp_path):
+    """Every process of a two-node job is SIGKILLed while step 1 is still being replicated: it keeps
+    its replication hold on node 0. The job restarts on node 0 alone, where nothing replicates and no
+    peer will ever acknowledge step 1: retention evicts it like any other checkpoint beyond
+    keep_in_memory instead of keeping it in memory for good."""
+    n0, n1 = cluster2.node(0), cluster2.node(1)
+    n0.run(["tc", "qdisc", "replace", "dev", n0.ifname, "root", "tbf", "rate", "8mbit", "burst", "32kbit",
+            "latency", "400ms"], timeout=10, check=True)  # fmt: skip
+    try:
+        procs = launch(
+            cluster2, [0, 1], ["save", "--steps", 1, "--mib", 24, "--hang", "--tmp", tmp_path], tmp_path
+        )
+        wait_line(tmp_path / "node0.log", '"hanging"', TIMEOUT_S)
+        n1.link_down()  # node 0's files of step 1 never reach node 1
+        for n in (n0, n1):
+            n.kill()
+    finally:
+        n1.link_up()
+        n0.run(["tc", "qdisc", "del", "dev", n0.ifname, "root"], timeout=10)
+    for p in procs:
+        p.wait(10)
+    step1 = n0.root / JOB / "checkpoints" / "step-1"
+    assert "replicate" in [p.name for p in (step1 / "holds").iterdir()]
+
+    (evs,) = run_job(cluster2, [0], ["save", "--first", 2, "--steps", 2, "--keep", 1, "--settle"], tmp_path)
+    (settled,) = of(evs, "settled")
+    assert settled == {**settled, "listed": ["step-3"], "holds": {"step-3": []}}, settled
+    assert not step1.exists()
