@@ -60,10 +60,23 @@ def test_a_store_without_replication_evicts_what_a_multi_node_run_held_as_its_sa
         assert store.list_checkpoints() == ["s2"]
 
 
-def test_memory_full_of_checkpoints_kept_for_replication_is_a_clear_error(small_tmpfs):
+def test_a_store_without_replication_evicts_what_a_multi_node_run_left_to_replicate(shm_dir):
+    """A job restarted on one node after a multi-node run was killed while replicating s1: nothing will
+    ever send s1's replicas, so its replicate hold does not count."""
+    with MemStore(root=shm_dir, job_id="job", io_threads=1, keep_in_memory=1) as store:
+        save(store, "s1", 1.0)
+        ReplicaRecords(store.layout, "s1").hold()  # as the multi-node run left it
+        save(store, "s2", 2.0)
+        assert store.list_checkpoints() == ["s2"]
+
+
+def test_memory_full_of_checkpoints_kept_for_replication_is_a_clear_error(small_tmpfs, monkeypatch):
     """Checkpoints kept for replication are never evicted to make room: the save fails naming them."""
     sd = {"w": torch.randn(512, 1024)}  # 2 MiB per checkpoint in an 8 MiB tmpfs
     with MemStore(root=small_tmpfs, job_id="job", io_threads=1, keep_in_memory=1) as store:
+        # stands for a job of several nodes (one process here): a store that does not replicate ignores
+        # replication holds
+        monkeypatch.setattr(store, "_replicating", lambda: True)
         saved = []
         with pytest.raises(BaseException) as ei:  # noqa: B017 - DCP wraps it
             for i in range(5):
