@@ -299,8 +299,10 @@ class ReplicatingStore:
             # refuses a damaged or malformed one, or one naming files outside the checkpoint
             Manifest.decode(manifest, f"the manifest of checkpoint {cid!r} from the coordinator", cid)
             write_atomic(directory / MANIFEST, manifest)
-            # which save this is, should the commit never arrive: a restart finishes it (``_repair``)
-            write_record(directory / PREPARED, {k: record[k] for k in ("committed_at", "nbytes")})
+            # which save this is, should the commit never arrive: a restart finishes it (``_repair``);
+            # and this node's next sequence number, after which newer commits supersede it (``evict``)
+            saved = {k: record[k] for k in ("committed_at", "nbytes")}
+            write_record(directory / PREPARED, {**saved, "next_seq": catalog.next_seq(self.layout)})
         else:  # commit
             if not (directory / MANIFEST).exists():
                 raise ValueError(f"checkpoint {cid!r} was not prepared on this node")

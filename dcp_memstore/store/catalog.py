@@ -463,8 +463,10 @@ def drop_stale_copies(layout: StoreLayout, older_than_s: float = STALE_COPY_S) -
 
 def evict(layout: StoreLayout, keep: int, ignored_holds: Collection[str] = ()) -> list[str]:
     """Evict all but the ``keep`` newest committed checkpoints, except those held (see ``hold``) for a
-    reason other than ``ignored_holds`` (holds that nothing in this process will ever release)."""
+    reason other than ``ignored_holds`` (holds that nothing in this process will ever release). Also
+    discards the copies this node prepared that ``keep`` newer commits superseded (``_drop_superseded``)."""
     recs = committed(layout)
+    _drop_superseded(layout, recs, keep)
     candidates = recs[: max(0, len(recs) - keep)]
     if not candidates:
         return []
@@ -480,6 +482,36 @@ def evict(layout: StoreLayout, keep: int, ignored_holds: Collection[str] = ()) -
         recycle(layout, trash)
         drop_copies(layout, cid)
     return victims
+
+
+def _drop_superseded(layout: StoreLayout, recs: list[CommitRecord], keep: int) -> None:
+    """Discard each copy this node prepared for a commit that never came (``prepared``) once ``keep`` of
+    the checkpoints committed here (``recs``) were committed after it was prepared: had its commit come,
+    retention would have evicted it by now (a prepared copy carries no hold), and the job resumes from a
+    newer checkpoint. Otherwise it would stay until a save short of space or a new save of its id. The
+    count starts at the ``next_seq`` its ``PREPARED`` record keeps, this node's next sequence number then:
+    a copy prepared after those commits (a save being committed now) is never superseded by them."""
+    for cid, record in prepared(layout).items():
+        if not _superseded(record, recs, keep):
+            continue
+        d = layout.checkpoint_dir(cid)
+        with commit_lock(layout):  # as in ``join``: never the directory a new save of the id began since
+            record = _safe_read(d / PREPARED)
+            if record is None or (d / COMMITTED).exists() or not _superseded(record, recs, keep):
+                continue
+            discard(layout, d)
+        log.info(
+            "discarded checkpoint %r prepared on this node: its commit never came, and %d checkpoint(s) "
+            "were committed here since",
+            cid,
+            keep,
+        )
+
+
+def _superseded(prepared_record: dict, recs: list[CommitRecord], keep: int) -> bool:
+    """Whether ``keep`` of ``recs`` were committed after the prepare that wrote ``prepared_record``."""
+    since = prepared_record.get("next_seq")
+    return isinstance(since, int) and sum(r.seq >= since for r in recs) >= keep
 
 
 def clear_abandoned(

@@ -251,6 +251,28 @@ def test_crash_between_the_commit_phases_resumes_from_the_checkpoint_the_coordin
     assert not (n1 / "PREPARED").exists()
 
 
+def test_a_copy_prepared_for_a_commit_that_never_came_goes_once_newer_checkpoints_are_committed(
+    cluster2, tmp_path
+):
+    """The coordinator is SIGKILLed between the commit phases of step 2: node 1 keeps its prepared copy.
+    The job restarts and saves on without looking for the latest checkpoint (nothing commits step 2 on
+    node 1). Once keep_in_memory=2 newer checkpoints are committed, step 2 could never be the one to
+    resume from and retention would have evicted it on every node: node 1 discards its copy instead of
+    keeping its memory until a save runs short of space."""
+    crash = {0: {"DCP_MEMSTORE_CRASH_AT": "after-commit:0:2"}}
+    procs = launch(cluster2, [0, 1], ["save", "--steps", 2], tmp_path, env=crash)
+    for p in procs:
+        p.wait(TIMEOUT_S)
+    assert [p.returncode != 0 for p in procs] == [True, True]
+    prepared = cluster2.node(1).root / JOB / "checkpoints" / "step-2"
+    assert (prepared / "PREPARED").exists() and not (prepared / "COMMITTED").exists()
+    saved = run_job(cluster2, [0, 1], ["save", "--first", 3, "--steps", 2, "--settle"], tmp_path)
+    for evs in saved:
+        (settled,) = of(evs, "settled")
+        assert settled["listed"] == ["step-3", "step-4"], settled
+    assert not prepared.exists()
+
+
 def test_surviving_node_alone_loads_from_the_replicas_it_keeps(cluster2, tmp_path):
     """Node 1 is lost for good and the job goes on with node 0 only (a job of one node, two ranks). Node
     1's files of the newest checkpoint are in the replica node 0 keeps: the load reads them from there."""
