@@ -12,6 +12,7 @@ reader falls back to when a copy in memory is corrupt, so a corrupt one must nev
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,9 +54,11 @@ def upload_file(
     local_dir: Path,
     file: str,
     items: list[tuple[int, ManifestItem]],
+    written: Callable[[], None] = lambda: None,
 ) -> list[PersistedItem]:
     """Upload local ``file`` (whose items, with their manifest positions, are ``items``) and return where
-    each item landed. Raises whatever the file system raises, and ValueError for an item that is not in
+    each item landed; ``written`` is called once every item is sent, before the remote file is complete
+    (a crash point). Raises whatever the file system raises, and ValueError for an item that is not in
     the file or fails its checksum; the remote file is then as it was."""
     mf = MAPPINGS.map_path(local_dir / file)
     path = target.path(checkpoint_id, remote_name(file))
@@ -81,6 +84,7 @@ def upload_file(
                 length, payload = write_framed(out, data, dtype_from_name(loc.dtype), loc.shape)
             placed.append(PersistedItem(index, pos, length, pos + payload))
             pos += length
+        written()
     size = target.fs.size(path)
     if size != pos:
         raise OSError(f"{path}: uploaded {size} bytes, expected {pos}")

@@ -20,6 +20,7 @@ other nodes' files not uploaded yet).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -238,6 +239,7 @@ class Persister:
             else:
                 self._settle_if_published(rec, progress)
             self._require_current(rec)
+            self._clear_leftovers(cid)
             progress.mark_persisted()
         progress.report(rank, "persisted")
         catalog.evict(self.layout, self.keep)  # it may have been held past its turn
@@ -263,6 +265,20 @@ class Persister:
         log.info("checkpoint %r persisted to %s", cid, self.target.url_of(cid))
         return True
 
+    def _clear_leftovers(self, cid: str) -> None:
+        """``cid`` is published: every file of it is in place, so the temporary files of uploads killed
+        while writing into its directory are leftovers (``PersistTarget.clear_leftovers``); removed, and
+        logged. A failure is logged: it leaves them, and the checkpoint is persisted all the same."""
+        try:
+            removed = self.target.clear_leftovers(cid)
+        except OSError as e:
+            log.warning(
+                "checkpoint %r: cannot remove what killed uploads left in %s: %s", cid, self.target.url, e
+            )
+            return
+        if removed:
+            log.info("checkpoint %r: removed what killed uploads left in the target: %s", cid, removed)
+
     def _upload(
         self, rec: catalog.CommitRecord, progress: Progress, local_dir, file: str, items, rank: int
     ) -> None:
@@ -271,7 +287,8 @@ class Persister:
         with progress.exclusive(file) as mine:
             if not mine or file in progress.done_files():
                 return
-            placed = upload_file(self.target, rec.checkpoint_id, local_dir, file, items)
+            written = functools.partial(crash_point, "persist-write", rank)
+            placed = upload_file(self.target, rec.checkpoint_id, local_dir, file, items, written)
             self._require_current(rec)  # its files may have been reused meanwhile
             write_part(self.target, rec, file, placed)
             progress.mark_done(file)

@@ -22,7 +22,7 @@ from typing import Any, BinaryIO
 import fsspec
 from fsspec.core import url_to_fs
 
-from dcp_memstore.store.records import atomic_file
+from dcp_memstore.store.records import atomic_file, clear_temporaries
 
 log = logging.getLogger(__name__)
 
@@ -131,10 +131,10 @@ class PersistTarget:
         an error, and never in part: a failed or killed upload leaves the file that was there before
         as it was. So two nodes uploading the same file (one that took it over, and its writer's node
         back with it) never leave a torn one, even once it is published. Local file systems: written
-        under a hidden temporary name beside it (left behind only by a killed process), fsynced, renamed
-        over it (``records.atomic_file``), then the directory fsynced; object stores: one PUT or
-        multipart upload, aborted on an error (completing it included) instead of completed with what
-        was written so far (``_abandon``)."""
+        under a hidden temporary name beside it (left behind only by a killed process, until
+        ``clear_leftovers``), fsynced, renamed over it (``records.atomic_file``), then the directory
+        fsynced; object stores: one PUT or multipart upload, aborted on an error (completing it
+        included) instead of completed with what was written so far (``_abandon``)."""
         if self.is_local:
             directory = Path(path).parent
             directory.mkdir(parents=True, exist_ok=True)
@@ -149,6 +149,22 @@ class PersistTarget:
         except BaseException:
             _abandon(out, path)
             raise
+
+    def clear_leftovers(self, checkpoint_id: str) -> list[str]:
+        """Remove from checkpoint ``checkpoint_id``'s directory (and our records in it) the temporary
+        files that uploads killed while writing left (``records.clear_temporaries``: never one a live
+        writer holds locked); their paths. Only local file systems have them: an object store keeps no
+        part of an upload that did not complete (``open_whole``)."""
+        if not self.is_local:
+            return []
+        removed = []
+        for d in (
+            self.path(checkpoint_id),
+            self.path(checkpoint_id, OUR_DIR),
+            self.path(checkpoint_id, PARTS),
+        ):
+            removed += [f"{d}/{name}" for name in clear_temporaries(Path(d))]
+        return removed
 
     def forget_listings(self) -> None:
         """Drop the file system's cached directory listings, so the next listing asks the server."""

@@ -19,6 +19,7 @@ CRASH_POINTS = (
     "write-data",  # in write_data(), after checksums, before the files are named into the checkpoint
     "before-commit",  # in finish(), manifest written, COMMITTED marker not yet
     "after-commit",  # in finish(), right after the COMMITTED marker, before eviction
+    "persist-write",  # in the persister, one file's bytes sent to the target, the file not complete
     "persist-upload",  # in the persister, after one file is uploaded and recorded
     "persist-publish",  # in the persister, manifest and .metadata published, COMMITTED marker not yet
     "take-over",  # in latest_checkpoint(), one file of a rank that left the job moved from its replica

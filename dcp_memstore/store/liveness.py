@@ -20,6 +20,7 @@ import uuid
 from pathlib import Path
 
 from dcp_memstore.store.layout import OWNER_TOKEN, StoreLayout
+from dcp_memstore.store.records import same_file
 
 _TOKEN_RE = re.compile(OWNER_TOKEN)
 _SUFFIX = ".lock"
@@ -33,7 +34,7 @@ def own_token(layout: StoreLayout) -> str:
     procs = layout.procs_dir
     with _guard:
         held = _held.get(procs)
-        if held is not None and _same_file(held[1], procs / f"{held[0]}{_SUFFIX}"):
+        if held is not None and same_file(held[1], procs / f"{held[0]}{_SUFFIX}"):
             return held[0]
         if held is not None:
             os.close(held[1])
@@ -58,7 +59,7 @@ def alive(layout: StoreLayout, token: str) -> bool:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             return True
-        if _same_file(fd, path):
+        if same_file(fd, path):
             path.unlink(missing_ok=True)
         return False
     finally:
@@ -82,18 +83,9 @@ def _take(procs: Path) -> tuple[str, int]:
         path = procs / f"{token}{_SUFFIX}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX)
-        if _same_file(fd, path):
+        if same_file(fd, path):
             return token, fd
         os.close(fd)
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return False
-    own = os.fstat(fd)
-    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
 def _forget_after_fork() -> None:

@@ -553,6 +553,24 @@ def test_a_restart_uploads_again_what_was_removed_from_the_target(shm_dir, bucke
         assert_tree_equal(_state(8), load(fresh, blank_like(_state(8)), "c"))
 
 
+def test_a_restart_removes_the_temporary_file_of_an_upload_killed_while_writing(shm_dir, bucket_dir):
+    """The persister is SIGKILLed once a file's bytes are written into the target directory under its
+    temporary name, before the rename: that file stays behind. The restarted job uploads the
+    checkpoint, and once it is published, removes the leftover: nothing but the checkpoint's own files
+    stays in the target."""
+    repo = str(Path(__file__).resolve().parents[2])
+    code = _KILLED_UPLOADER.format(repo=repo, root=str(shm_dir), target=str(bucket_dir))
+    env = dict(os.environ, DCP_MEMSTORE_CRASH_AT="persist-write:0:1")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == -9 and "NOT-KILLED" not in res.stdout, res.stderr[-3000:]
+    left = [p.name for p in (bucket_dir / "c").iterdir() if ".tmp-" in p.name]
+    assert len(left) == 1 and left[0].startswith(".__0_0.distcp.tmp-"), left
+    with _pstore(shm_dir, bucket_dir, persist_on_close=False) as store:
+        assert store.wait_persisted("c", timeout=30).persisted
+    assert not [p for p in (bucket_dir / "c").rglob("*") if ".tmp-" in p.name]
+    assert (bucket_dir / "c" / "__0_0.distcp").is_file()
+
+
 @pytest.mark.parametrize("verify", [True, False])
 def test_a_missing_local_file_is_not_read_from_another_save_persisted_under_its_id(
     shm_dir, bucket_dir, verify

@@ -4,14 +4,29 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import msgpack
 import pytest
 import xxhash
 
 from dcp_memstore.store.manifest import FORMAT_VERSION, Manifest, ManifestItem, ShardLocation
-from dcp_memstore.store.records import read_record, write_atomic, write_record
+from dcp_memstore.store.records import atomic_file, clear_temporaries, read_record, write_atomic, write_record
+
+_KILLED_WRITER = """
+import sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+from dcp_memstore.store.records import atomic_file
+with atomic_file(Path(sys.argv[1])) as f:
+    f.write(b"half")
+    print("writing", flush=True)
+    time.sleep(600)
+"""
 
 
 def test_record_round_trip(shm_dir):
@@ -61,6 +76,26 @@ def test_readers_never_see_a_partial_record(shm_dir):
     assert len(seen) > 1
     assert read_record(path)["n"] == 199
     assert os.listdir(shm_dir) == ["r"]
+
+
+def test_only_the_temporary_file_of_a_killed_writer_is_cleared(tmp_path):
+    """A writer SIGKILLed inside atomic_file leaves its temporary file; clear_temporaries removes it, and
+    not the one a live writer (this process) is still writing, which then replaces its file as usual."""
+    repo = str(Path(__file__).resolve().parents[2])
+    killed = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_WRITER, str(tmp_path / "killed"), repo], stdout=subprocess.PIPE
+    )
+    try:
+        assert killed.stdout.readline() == b"writing\n"
+    finally:
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(30)
+    (left,) = os.listdir(tmp_path)
+    with atomic_file(tmp_path / "live") as f:
+        f.write(b"whole")
+        assert len(os.listdir(tmp_path)) == 2
+        assert clear_temporaries(tmp_path) == [left]
+    assert os.listdir(tmp_path) == ["live"] and (tmp_path / "live").read_bytes() == b"whole"
 
 
 def test_write_that_runs_out_of_space_leaves_old_file_and_no_temporary(small_tmpfs):
