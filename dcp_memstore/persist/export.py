@@ -6,8 +6,10 @@ bytes, exactly what stock ``FileSystemReader``/``FsspecReader`` read. Bytes stre
 into the file system's writer in pieces of 4 MiB (for s3fs: multipart parts of ``BLOCK_SIZE``, uploaded
 one after another), so memory used per upload stays under two parts, whatever the file's size. The
 remote file is replaced whole or not at all (``PersistTarget.open_whole``): uploads of one file by two
-nodes are idempotent. Each item's checksum is verified before it is sent: the persisted copy is what a
-reader falls back to when a copy in memory is corrupt, so a corrupt one must never become it.
+nodes are idempotent. Each item's checksum is computed from the very pieces that are sent, as they are
+sent (memory is read once), and checked when the item is written: the persisted copy is what a reader
+falls back to when a copy in memory is corrupt, so a corrupt one must never become it. A mismatch raises
+inside ``open_whole``, which then discards the upload (the temporary file; the multipart upload).
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import xxhash
+
 from dcp_memstore.persist.framing import write_framed, write_in_pieces
 from dcp_memstore.persist.target import PersistTarget
-from dcp_memstore.store.checksum import checksum_bytes, memory_view
+from dcp_memstore.store.checksum import memory_view
 from dcp_memstore.store.manifest import ManifestItem, dtype_from_name
 from dcp_memstore.store.mapping import MAPPINGS
 
@@ -59,7 +63,7 @@ def upload_file(
     """Upload local ``file`` (whose items, with their manifest positions, are ``items``) and return where
     each item landed; ``written`` is called once every item is sent, before the remote file is complete
     (a crash point). Raises whatever the file system raises, and ValueError for an item that is not in
-    the file or fails its checksum; the remote file is then as it was."""
+    the file or fails its checksum; the remote file is then as it was (``open_whole``)."""
     mf = MAPPINGS.map_path(local_dir / file)
     path = target.path(checkpoint_id, remote_name(file))
     placed: list[PersistedItem] = []
@@ -70,18 +74,18 @@ def upload_file(
             if loc.offset + loc.length > mf.size:
                 raise ValueError(f"{local_dir / file} is shorter than its manifest says ({item.fqn})")
             data = memory_view(mf.address + loc.offset, loc.length)
-            actual = checksum_bytes(data)
-            if actual != loc.checksum:  # a reader falls back to the persisted copy: it must be whole
-                raise ValueError(
-                    f"{local_dir / file}: item {item.fqn} does not match its checksum (expected xxh3_64 "
-                    f"{loc.checksum:#018x}, got {actual:#018x}): this copy in memory is corrupt and is "
-                    "not uploaded; the checkpoint stays held in memory until store.delete(id)"
-                )
+            h = xxhash.xxh3_64()  # the manifest's checksum (store.checksum), of the bytes sent
             if loc.dtype is None:
-                write_in_pieces(out, data)
+                write_in_pieces(out, data, h.update)
                 length, payload = loc.length, 0
             else:
-                length, payload = write_framed(out, data, dtype_from_name(loc.dtype), loc.shape)
+                length, payload = write_framed(out, data, dtype_from_name(loc.dtype), loc.shape, h.update)
+            if h.intdigest() != loc.checksum:  # a reader falls back to the persisted copy: it must be whole
+                raise ValueError(
+                    f"{local_dir / file}: item {item.fqn} does not match its checksum (expected xxh3_64 "
+                    f"{loc.checksum:#018x}, got {h.intdigest():#018x}): this copy in memory is corrupt and "
+                    "is not uploaded; the checkpoint stays held in memory until store.delete(id)"
+                )
             placed.append(PersistedItem(index, pos, length, pos + payload))
             pos += length
         written()

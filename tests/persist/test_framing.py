@@ -23,13 +23,19 @@ from dcp_memstore.persist.framing import WRITE_PIECE, disable_torch_save_crc32, 
     ],
 )
 def test_archive_loads_back_and_payload_offset_points_at_the_raw_bytes(shape, dtype):
+    """The archive loads back with stock torch.load, the recorded offset points at the raw bytes, and
+    ``on_payload`` (the upload's checksum) sees exactly those bytes, whatever torch writes around them."""
     disable_torch_save_crc32()
     src = (torch.arange(max(1, torch.Size(shape).numel())) % 97).to(dtype)[: torch.Size(shape).numel()]
     src = src.reshape(shape)
     raw = bytearray(src.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     sink = io.BytesIO(b"prefix")  # archives start anywhere in a file
     sink.seek(0, io.SEEK_END)
-    length, payload = write_framed(sink, memoryview(raw), dtype, shape)
+    seen = []  # what a checksum computed while sending sees: the raw bytes exactly, once
+    length, payload = write_framed(
+        sink, memoryview(raw), dtype, shape, lambda piece: seen.append(bytes(piece))
+    )
+    assert b"".join(seen) == bytes(raw)
     data = sink.getvalue()[6:]
     assert len(data) == length
     assert data[payload : payload + len(raw)] == bytes(raw)

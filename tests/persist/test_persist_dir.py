@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dcp_memstore import MemStore, PersistError
+from dcp_memstore.persist.export import remote_name
 from dcp_memstore.persist.progress import Progress
 from dcp_memstore.persist.target import COMMITTED, STOCK_METADATA
 from dcp_memstore.persist.target import MANIFEST as REMOTE_MANIFEST
@@ -214,6 +215,9 @@ def test_a_local_copy_that_fails_its_checksum_is_not_uploaded(shm_dir, bucket_di
             store.wait_persisted("c", timeout=60)
     assert not (bucket_dir / "c" / COMMITTED).exists()
     assert not (bucket_dir / "c" / STOCK_METADATA).exists()
+    # the checksum is computed while the file is written: what was written is discarded, temporary included
+    assert not (bucket_dir / "c" / remote_name(item.location.file)).exists()
+    assert list((bucket_dir / "c").glob(".*.tmp-*")) == []
 
 
 def test_a_corrupt_local_commit_marker_is_passed_over_for_the_persisted_copy(shm_dir, bucket_dir, caplog):

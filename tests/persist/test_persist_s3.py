@@ -17,9 +17,12 @@ import pytest
 import torch
 
 from dcp_memstore import MemStore, PersistError
+from dcp_memstore.persist.export import remote_name
 from dcp_memstore.persist.publish import remote_commit
 from dcp_memstore.persist.target import COMMITTED, STOCK_METADATA, PersistTarget
 from dcp_memstore.store import catalog
+from dcp_memstore.store.layout import MANIFEST
+from dcp_memstore.store.manifest import Manifest
 from tests.dcp.dcp_state import assert_tree_equal, blank_like, load, save
 
 REPO = Path(__file__).resolve().parents[2]
@@ -229,6 +232,34 @@ def test_bad_credentials_or_bucket_fail_clearly_and_publish_nothing(
             assert other.latest_checkpoint() is None
         finally:
             subprocess.run(["rm", "-rf", str(other.layout.root)], check=True)
+
+
+def test_a_corrupt_item_late_in_a_multipart_upload_publishes_nothing_and_aborts_the_upload(
+    shm_dir, s3_bucket
+):
+    """A byte near the end of a 40 MiB tensor flips in memory before its upload. Its checksum is computed
+    while it is sent, so the mismatch shows only after two 16 MiB parts are in the bucket: the upload is
+    aborted (no object, no multipart upload left open) and nothing is published, so stock DCP and our
+    reader never take the corrupt bytes for the checkpoint."""
+    server, url = s3_bucket
+    with _store(shm_dir, url, server) as store:
+        save(store, _state(1, mib=40), "c")
+        local = store.layout.checkpoint_dir("c")
+        item = next(it for it in Manifest.read(local / MANIFEST).items if it.fqn == "w")
+        at = item.location.offset + item.location.length - 100
+        with open(local / item.location.file, "r+b") as f:
+            f.seek(at)
+            byte = f.read(1)
+            f.seek(at)
+            f.write(bytes([byte[0] ^ 0x01]))
+        store.persist("c")
+        with pytest.raises(PersistError, match=f"{item.location.file}.* w .*checksum"):
+            store.wait_persisted("c", timeout=120)
+        assert store.list_checkpoints() == ["c"]  # still held in memory
+    keys = _keys(server, url)  # the checkpoint's other files are uploaded, but not this one, nor published
+    assert "c/" + remote_name(item.location.file) not in keys
+    assert f"c/{COMMITTED}" not in keys and f"c/{STOCK_METADATA}" not in keys
+    assert server.filesystem().list_multipart_uploads(url.removeprefix("s3://")) == []
 
 
 def test_an_id_published_by_another_save_is_refused_and_left_intact(shm_dir, s3_bucket, fresh_root):
