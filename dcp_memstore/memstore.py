@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from dcp_memstore.errors import InsufficientSpaceError, PersistError
 from dcp_memstore.persist.persister import Persister
-from dcp_memstore.persist.progress import PERSIST_HOLD, Progress, is_owed
+from dcp_memstore.persist.progress import Progress, is_persist_hold
 from dcp_memstore.persist.publish import remote_committed
 from dcp_memstore.persist.remote_read import RemoteCheckpoint
 from dcp_memstore.persist.target import PersistTarget
@@ -455,8 +455,11 @@ class MemStore(PersistingStore, ReplicatingStore):
         # without replication, no replica is sent and no report moves the safe point: the replication
         # holds a multi-node run left (its processes killed while replicating) would pin their
         # checkpoints for good in a job restarted on one node
-        ignored = () if self.target is not None else (PERSIST_HOLD,)
-        ignored += () if self._replicating() else _REPLICATION_HOLDS
+        no_uploads, no_reports = self.target is None, not self._replicating()
+
+        def ignored(hold: str) -> bool:
+            return (no_uploads and is_persist_hold(hold)) or (no_reports and hold in _REPLICATION_HOLDS)
+
         catalog.evict(self.layout, self.keep_in_memory, ignored)
         catalog.drop_stale_copies(self.layout)
         self._trim_pools()
@@ -597,7 +600,7 @@ class MemStore(PersistingStore, ReplicatingStore):
             self.persist(recs[-1].checkpoint_id)
         deadline = None if timeout is None else time.monotonic() + timeout
         for rec in recs:
-            if not is_owed(self.layout, rec.checkpoint_id):
+            if not Progress(self.layout, rec.checkpoint_id, self.target.url).owed():
                 continue
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:

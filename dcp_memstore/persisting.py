@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from dcp_memstore.errors import PersistError
 from dcp_memstore.persist.persister import global_rank, node_share
-from dcp_memstore.persist.progress import PERSIST_HOLD, PRESSING, Progress, is_owed
+from dcp_memstore.persist.progress import PRESSING, Progress, is_owed
 from dcp_memstore.persist.publish import read_parts, remote_commit
 from dcp_memstore.persist.remote_read import RemoteCheckpoint
 from dcp_memstore.persist.target import describe
@@ -60,7 +60,7 @@ class PersistingStore:
             if catalog.read_commit(self.layout, cid) is not None:
                 raise
         if catalog.read_commit(self.layout, cid) is None:  # unknown, or evicted or deleted meanwhile
-            catalog.release(self.layout, cid, PERSIST_HOLD)
+            Progress(self.layout, cid, self.target.url).release()
             if remote_commit(self.target, cid) is None:
                 self.require_checkpoint(cid)
             return

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from dcp_memstore.errors import CommitError
 from dcp_memstore.persist.persister import local_rank_and_size
-from dcp_memstore.persist.progress import Progress, is_owed
+from dcp_memstore.persist.progress import Progress
 from dcp_memstore.replication import safe_point
 from dcp_memstore.replication.cluster_read import ClusterCheckpoint
 from dcp_memstore.replication.cluster_status import cluster_replicas
@@ -89,9 +89,10 @@ class ReplicatingStore:
         for cid in sorted(owed):
             if catalog.read_commit(self.layout, cid) is None:
                 continue
-            if cid in in_memory and not is_owed(self.layout, cid):
-                Progress(self.layout, cid, self.target.url).request("owed by another node")
-            if not is_owed(self.layout, cid):
+            progress = Progress(self.layout, cid, self.target.url)
+            if cid in in_memory and not progress.owed():
+                progress.request("owed by another node")
+            if not progress.owed():
                 continue
             restoring = {  # the nodes that restored it above (every node does the same)
                 node: peers.node_ranks(node)

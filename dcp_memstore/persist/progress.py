@@ -1,8 +1,10 @@
 """What the persister has done for one checkpoint, kept on tmpfs beside the checkpoint.
 
-``<checkpoint>/holds/persist``       the checkpoint is owed to persistent storage (a retention hold)
-``<checkpoint>/persist-<t>/``        what was done for the target whose URL hashes to ``t`` (records of
-                                     another ``persist_to`` say nothing about this one):
+``<checkpoint>/holds/persist-<t>``  the checkpoint is owed to the target whose URL hashes to ``t`` (a
+                                     retention hold per target: two stores of a job that persist to
+                                     different places each keep it in memory until their own upload)
+``<checkpoint>/persist-<t>/``        what was done for that target (records of another ``persist_to``
+                                     say nothing about this one):
 ``    done/<f>``                     local file ``f`` is uploaded (its part record is in the target)
 ``    state-<r>``                    the last state rank ``r``'s persister reported (uploading, retrying,
                                      failed)
@@ -23,38 +25,50 @@ from dcp_memstore.store.layout import StoreLayout
 from dcp_memstore.store.records import read_record, write_record
 from dcp_memstore.store.tier_progress import TierProgress
 
-PERSIST_HOLD = "persist"
+PERSIST_HOLD_PREFIX = "persist-"  # of the retention holds, one per target (``target_key``)
 # Upload states short of published, the most pressing first: the state of a checkpoint whose processes (or
 # nodes) report different ones is the first of theirs here.
 PRESSING = ("failed", "retrying", "uploading", "queued", "not requested")
 
 
-def is_owed(layout: StoreLayout, checkpoint_id: str) -> bool:
-    """Whether ``checkpoint_id`` is owed to persistent storage (held in memory until it is uploaded)."""
-    return PERSIST_HOLD in catalog.holds(layout, checkpoint_id)
+def target_key(target_url: str) -> str:
+    """The name of the target at ``target_url`` beside a checkpoint: of its retention hold and of the
+    directory of its upload records."""
+    return PERSIST_HOLD_PREFIX + hashlib.sha256(target_url.encode()).hexdigest()[:16]
 
 
-def records_dir_name(target_url: str) -> str:
-    """The name of the directory of a checkpoint's upload records for the target at ``target_url``."""
-    return "persist-" + hashlib.sha256(target_url.encode()).hexdigest()[:16]
+def is_persist_hold(hold: str) -> bool:
+    """Whether retention hold ``hold`` is an upload's (to any target)."""
+    return hold.startswith(PERSIST_HOLD_PREFIX)
+
+
+def is_owed(layout: StoreLayout, checkpoint_id: str, target_url: str | None = None) -> bool:
+    """Whether ``checkpoint_id`` is owed to the target at ``target_url`` (None: to any), i.e. held in
+    memory until it is uploaded there."""
+    held = catalog.holds(layout, checkpoint_id)
+    if target_url is None:
+        return any(is_persist_hold(h) for h in held)
+    return target_key(target_url) in held
 
 
 class Progress(TierProgress):
     """Upload progress records of checkpoint ``checkpoint_id`` in ``layout`` towards ``target_url``."""
 
     def __init__(self, layout: StoreLayout, checkpoint_id: str, target_url: str) -> None:
-        super().__init__(layout, checkpoint_id, records_dir_name(target_url))
+        super().__init__(layout, checkpoint_id, target_key(target_url))
+        self.hold = target_key(target_url)
 
     def owed(self) -> bool:
-        return is_owed(self.layout, self.checkpoint_id)
+        """Whether the checkpoint is owed to this target (see ``is_owed``)."""
+        return self.hold in catalog.holds(self.layout, self.checkpoint_id)
 
     def request(self, reason: str) -> None:
-        """Owe this checkpoint to persistent storage (idempotent); clears a failure so uploads retry."""
+        """Owe this checkpoint to this target (idempotent); clears a failure so uploads retry."""
         if self.persisted():
             return
-        catalog.hold(self.layout, self.checkpoint_id, PERSIST_HOLD, {"reason": reason, "at": time.time()})
+        catalog.hold(self.layout, self.checkpoint_id, self.hold, {"reason": reason, "at": time.time()})
         if self.persisted():  # published meanwhile: the hold would never be released
-            catalog.release(self.layout, self.checkpoint_id, PERSIST_HOLD)
+            self.release()
         self.clear_failures()
 
     def clear_failures(self) -> None:
@@ -101,4 +115,8 @@ class Progress(TierProgress):
         """Published: record it and drop the retention hold."""
         self.prepare()
         write_record(self.dir / "PERSISTED", {"at": time.time()})
-        catalog.release(self.layout, self.checkpoint_id, PERSIST_HOLD)
+        self.release()
+
+    def release(self) -> None:
+        """Drop this target's retention hold (the holds for other targets stay)."""
+        catalog.release(self.layout, self.checkpoint_id, self.hold)

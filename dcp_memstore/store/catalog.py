@@ -20,7 +20,7 @@ import shutil
 import socket
 import time
 import uuid
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -461,10 +461,13 @@ def drop_stale_copies(layout: StoreLayout, older_than_s: float = STALE_COPY_S) -
                 shutil.rmtree(d.path, ignore_errors=True)
 
 
-def evict(layout: StoreLayout, keep: int, ignored_holds: Collection[str] = ()) -> list[str]:
+def evict(
+    layout: StoreLayout, keep: int, ignored_hold: Callable[[str], bool] = lambda reason: False
+) -> list[str]:
     """Evict all but the ``keep`` newest committed checkpoints, except those held (see ``hold``) for a
-    reason other than ``ignored_holds`` (holds that nothing in this process will ever release). Also
-    discards the copies this node prepared that ``keep`` newer commits superseded (``_drop_superseded``)."""
+    reason that ``ignored_hold`` does not accept (holds that nothing in this process will ever release).
+    Also discards the copies this node prepared that ``keep`` newer commits superseded
+    (``_drop_superseded``)."""
     recs = committed(layout)
     _drop_superseded(layout, recs, keep)
     candidates = recs[: max(0, len(recs) - keep)]
@@ -473,7 +476,7 @@ def evict(layout: StoreLayout, keep: int, ignored_holds: Collection[str] = ()) -
     victims, trashed = [], []
     with _retention_lock(layout, exclusive=True):
         for r in candidates:
-            if set(holds(layout, r.checkpoint_id)) <= set(ignored_holds):
+            if all(ignored_hold(h) for h in holds(layout, r.checkpoint_id)):
                 trash = _to_trash(layout, layout.checkpoint_dir(r.checkpoint_id))
                 if trash is not None:
                     victims.append(r.checkpoint_id)

@@ -659,3 +659,38 @@ def test_a_restart_in_a_new_pid_namespace_retries_an_upload_that_failed(shm_dir,
         assert res.returncode == 0, res.stderr[-3000:]
         outputs.append(res.stdout.strip())
     assert outputs == ["", "persisted"]
+
+
+def test_two_stores_with_different_targets_each_hold_a_checkpoint_until_their_own_upload(shm_dir, tmp_path):
+    """Two stores of one job persist to two directories. Each target's upload holds the checkpoint in
+    memory on its own: A's publication does not release B's hold (B's upload, failing meanwhile, would
+    otherwise never finish, and the checkpoint would be evicted before B has it), and A's request does
+    not make B upload. (Before, both shared one hold, and A's publication evicted the checkpoint.)"""
+    a_dir, b_dir = tmp_path / "a", tmp_path / "b"
+    opts = {"keep_in_memory": 1, "persist_on_close": False}
+    with _pstore(shm_dir, a_dir, **opts) as a, _pstore(shm_dir, b_dir, **opts) as b:
+        sd = _state(1)
+        save(a, sd, "c1")
+        a.persist("c1")
+        a.wait_persisted("c1", timeout=60)
+        assert b.status("c1").persist == "not requested"  # A's request is A's only
+        save(a, _state(2), "c2")
+        assert a.list_checkpoints() == ["c2"]  # c1 was held for A only
+        save(a, sd, "c3")
+        b_dir.rmdir()
+        b_dir.write_bytes(b"")  # a file where B's directory should be: B's uploads fail
+        b.persist("c3")
+        with pytest.raises(PersistError):
+            b.wait_persisted("c3", timeout=60)
+        a.persist("c3")
+        a.wait_persisted("c3", timeout=60)
+        save(a, _state(4), "c4")
+        assert a.list_checkpoints() == ["c3", "c4"]  # still held for B
+        assert b.status("c3").persist == "failed"
+        b_dir.unlink()
+        b.persist("c3")
+        b.wait_persisted("c3", timeout=60)
+        save(a, _state(5), "c5")
+        assert a.list_checkpoints() == ["c5"]  # no hold left: evicted
+    assert (a_dir / "c3" / COMMITTED).exists() and (b_dir / "c3" / COMMITTED).exists()
+    assert not (b_dir / "c1").exists()

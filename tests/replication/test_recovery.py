@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_memstore import CommitError, MemoryStorageWriter, MemStore
 from dcp_memstore.persist.persister import node_share
-from dcp_memstore.persist.progress import PERSIST_HOLD
+from dcp_memstore.persist.progress import target_key
 from dcp_memstore.replication.peers import Peers
 from dcp_memstore.replication.placement import NodeInfo
 from dcp_memstore.replication.recovery import inventory, orphans, readable, resync, take_over, unheld
@@ -120,7 +120,7 @@ def test_inventory_lists_own_files_and_replicas(store):
     assert (cid, seq) == ("s1", 1) and set(listed) == set(inv["own"]["s1"])
     assert inv["replicas"] == {"node1": {"s1": {"__1_0.shard": 10}}}
     assert inv["owed"] == []
-    catalog.hold(store.layout, "s1", PERSIST_HOLD)  # owed to persistent storage: the other nodes learn it
+    catalog.hold(store.layout, "s1", target_key("s3://b/run"))  # owed to persistent storage: others learn it
     assert inventory(store.layout)["owed"] == ["s1"]
 
 
