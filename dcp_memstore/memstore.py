@@ -366,7 +366,10 @@ class MemStore(PersistingStore, ReplicatingStore):
         try:
             local = catalog.read_commit(self.layout, cid)
             if local is not None:  # its files missing here are read from a persisted copy of this save only
-                tiers = {**self._tiers(cid), "_find_remote": functools.partial(self._remote, cid, local)}
+                tiers = {
+                    **self._tiers(cid),
+                    "_find_remote": functools.partial(self._remote_of_local, cid, local),
+                }
                 directory = self.layout.checkpoint_dir(cid)
                 return CheckpointSource(cid, directory, **tiers, replicas_dir=self.layout.replicas_dir)
         except ValueError as e:

@@ -19,7 +19,7 @@ from dcp_memstore.persist.persister import global_rank, node_share
 from dcp_memstore.persist.progress import PRESSING, Progress, is_owed
 from dcp_memstore.persist.publish import read_parts, remote_commit
 from dcp_memstore.persist.remote_read import RemoteCheckpoint
-from dcp_memstore.persist.target import describe
+from dcp_memstore.persist.target import COMMITTED, describe
 from dcp_memstore.replication.cluster_read import ClusterCheckpoint
 from dcp_memstore.status import CheckpointStatus
 from dcp_memstore.store import catalog
@@ -55,7 +55,10 @@ class PersistingStore:
         cid = validate_name(checkpoint_id)
         try:
             if catalog.read_commit(self.layout, cid) is not None:
-                Progress(self.layout, cid, self.target.url).request("on demand")
+                progress = Progress(self.layout, cid, self.target.url)
+                if self._copy_gone(cid):  # deleted from the target: upload it again
+                    progress.forget_published()
+                progress.request("on demand")
         except FileNotFoundError:  # evicted or deleted before the hold was placed: its holds went with it
             if catalog.read_commit(self.layout, cid) is not None:
                 raise
@@ -102,8 +105,29 @@ class PersistingStore:
         except FileNotFoundError:
             return None
         counts = {"files_uploaded": min(files, len(progress.done_files())), "files_total": files}
+        if state == "persisted":  # as recorded here: is the copy still there?
+            published, unread = self._published(cid)
+            if unread is not None:
+                state, error = "retrying", f"cannot read {url}: {describe(unread)}"
+            elif not published:
+                state, error = "not requested", self._gone(cid)
         published = url if state == "persisted" else None
         return CheckpointStatus(cid, True, state, error=error, persisted_url=published, **counts)
+
+    def _gone(self, cid: str) -> str:
+        """What to say of ``cid``, recorded here as persisted, whose persisted copy is gone."""
+        return (
+            f"checkpoint {cid!r} was persisted to {self.target.url_of(cid)}, but that copy is gone (no "
+            f"{COMMITTED} there: deleted since it was published); store.persist(id) uploads it again "
+            "while it is in memory"
+        )
+
+    def _copy_gone(self, cid: str) -> bool:
+        """Whether ``cid`` is recorded here as persisted, but the target surely lacks it: its commit marker
+        read as absent (not unreadable)."""
+        if self.target is None or not Progress(self.layout, cid, self.target.url).persisted():
+            return False
+        return self._published(cid) == (False, None)
 
     def _status_elsewhere(
         self, cid: str, url: str, cluster: Callable[[], ClusterCheckpoint | None]
@@ -209,6 +233,17 @@ class PersistingStore:
         return [
             r.checkpoint_id for r in catalog.committed(self.layout) if is_owed(self.layout, r.checkpoint_id)
         ]
+
+    def _remote_of_local(self, cid: str, save: catalog.CommitRecord) -> RemoteCheckpoint | None:
+        """``_remote(cid, save)``, for files of ``cid`` that cannot be read from this node's memory; a
+        FileNotFoundError naming the URL if it was persisted but the copy there is gone."""
+        remote = self._remote(cid, save)
+        if remote is None and self._copy_gone(cid):
+            raise FileNotFoundError(
+                f"{self._gone(cid)}. Files of it that this node cannot read have no copy left to read "
+                "instead: load another checkpoint"
+            )
+        return remote
 
     def _remote(self, cid: str, save: catalog.CommitRecord | None = None) -> RemoteCheckpoint | None:
         """The persisted copy of ``cid``, or None (not persisted, no target, or the target unreachable).

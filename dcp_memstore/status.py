@@ -23,8 +23,10 @@ class CheckpointStatus:
     ``persist_to``), ``not requested`` (the policy did not pick it; ``store.persist(id)`` does),
     ``queued``, ``uploading``, ``retrying`` (a transient error; ``error`` says which), ``failed`` (a
     permanent error such as refused credentials or a missing bucket; ``store.persist(id)`` tries again) or
-    ``persisted`` (published at ``persisted_url``). ``files_uploaded``/``files_total`` count this node's
-    shard files of the checkpoint.
+    ``persisted`` (published at ``persisted_url``, whose commit marker status read: a copy deleted from
+    the target since is ``not requested`` again, ``error`` naming its URL, and ``retrying`` while the
+    target cannot be read). ``files_uploaded``/``files_total`` count this node's shard files of the
+    checkpoint.
 
     For a checkpoint not in this node's memory (``in_memory`` False) but in the memory of the job's other
     nodes (this node was replaced and not yet restored, deleted its copy, or keeps fewer), ``persist`` is

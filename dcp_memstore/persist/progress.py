@@ -117,6 +117,12 @@ class Progress(TierProgress):
         write_record(self.dir / "PERSISTED", {"at": time.time()})
         self.release()
 
+    def forget_published(self) -> None:
+        """Record it as not published (its copy was deleted from the target): ``request`` owes it again,
+        and the persister uploads again the files whose part records are gone there."""
+        with contextlib.suppress(FileNotFoundError):
+            (self.dir / "PERSISTED").unlink()
+
     def release(self) -> None:
         """Drop this target's retention hold (the holds for other targets stay)."""
         catalog.release(self.layout, self.checkpoint_id, self.hold)

@@ -39,7 +39,8 @@ class RemoteCheckpoint:
         return self.target.fs.size(self.target.path(self.checkpoint_id, loc.file))
 
     def fetch(self, loc: ShardLocation) -> tuple[torch.Tensor, int | None]:
-        """The item's raw bytes as a uint8 tensor, and their checksum (None if the object is short)."""
+        """The item's raw bytes as a uint8 tensor, and their checksum (None if the object is short); a
+        FileNotFoundError naming the object's URL if it is gone."""
         buf = torch.empty(loc.length, dtype=torch.uint8)
         if loc.length == 0:
             return buf, checksum_memory(0, 0)
@@ -56,5 +57,11 @@ class RemoteCheckpoint:
                 return
             ctypes.memmove(buf.data_ptr() + start, data, end - start)
 
-        run_parallel(one, range(0, loc.length, RANGE), self.threads, pool="fetch")
+        try:
+            run_parallel(one, range(0, loc.length, RANGE), self.threads, pool="fetch")
+        except FileNotFoundError as e:
+            raise FileNotFoundError(
+                f"{self.describe(loc)} is gone from the persisted copy of checkpoint {self.checkpoint_id!r} "
+                "(deleted there since it was published): load another checkpoint"
+            ) from e
         return buf, None if short else checksum_memory(buf.data_ptr(), loc.length)

@@ -694,3 +694,44 @@ def test_two_stores_with_different_targets_each_hold_a_checkpoint_until_their_ow
         assert a.list_checkpoints() == ["c5"]  # no hold left: evicted
     assert (a_dir / "c3" / COMMITTED).exists() and (b_dir / "c3" / COMMITTED).exists()
     assert not (b_dir / "c1").exists()
+
+
+def test_status_tells_a_persisted_copy_deleted_from_the_target_and_persist_uploads_it_again(
+    shm_dir, bucket_dir
+):
+    """The persisted copy of a checkpoint still in memory is deleted from the target. status() checks its
+    commit marker (one read per call, only for a checkpoint recorded as persisted): not ``persisted``, with
+    an error naming the URL; ``wait_persisted`` does not wait for it; ``store.persist(id)`` uploads it
+    again. (Before, status reported it persisted from the records in memory, and persist did nothing.)"""
+    sd = _state(2)
+    with _pstore(shm_dir, bucket_dir, persist_every=1, persist_on_close=False) as store:
+        save(store, sd, "c")
+        store.wait_persisted("c", timeout=60)
+        subprocess.run(["rm", "-rf", str(bucket_dir / "c")], check=True)
+        st = store.status("c")
+        assert (st.persist, st.persisted_url) == ("not requested", None)
+        assert f"persisted to {bucket_dir}/c, but that copy is gone" in st.error
+        with pytest.raises(ValueError, match="not being persisted"):
+            store.wait_persisted("c", timeout=5)
+        store.persist("c")
+        assert store.wait_persisted("c", timeout=60).persisted_url == f"{bucket_dir}/c"
+    with _pstore(Path(str(shm_dir) + "-other"), bucket_dir) as other:
+        try:
+            assert_tree_equal(sd, load(other, blank_like(sd), "c"))
+        finally:
+            subprocess.run(["rm", "-rf", str(other.layout.root)], check=True)
+
+
+def test_a_load_that_needs_a_persisted_copy_deleted_from_the_target_names_its_url(shm_dir, bucket_dir):
+    """A file of a checkpoint in memory is lost here, and its persisted copy, which the load would read
+    instead, was deleted from the target: the load fails naming the URL of the copy that is gone.
+    (Before, it said the file was in no tier, as if the checkpoint had never been persisted.)"""
+    sd = _state(3)
+    with _pstore(shm_dir, bucket_dir, persist_every=1, persist_on_close=False) as store:
+        save(store, sd, "c")
+        store.wait_persisted("c", timeout=60)
+        subprocess.run(["rm", "-rf", str(bucket_dir / "c")], check=True)
+        (store.layout.checkpoint_dir("c") / "__0_0.shard").unlink()
+        with pytest.raises(BaseException) as ei:  # noqa: B017 - DCP wraps it
+            load(store, blank_like(sd), "c")
+        assert f"persisted to {bucket_dir}/c, but that copy is gone" in str(ei.value)

@@ -359,3 +359,20 @@ def test_a_prefix_with_glob_characters_lists_its_checkpoints(shm_dir, s3_bucket,
     with _store(fresh_root, prefix, server) as fresh:
         assert fresh.latest_checkpoint() == "c"
         assert_tree_equal(sd, load(fresh, blank_like(sd), "c"))
+
+
+def test_a_load_from_a_persisted_copy_missing_an_object_names_its_url(shm_dir, s3_bucket, fresh_root):
+    """An object of a persisted checkpoint is deleted from the bucket after publication; a node without the
+    checkpoint in memory loads it from there: the error names the object's URL (``s3://...``) and says it
+    is gone. (Before: the bare s3fs FileNotFoundError, naming ``bucket/key`` without the scheme.)"""
+    server, url = s3_bucket
+    sd = _state(1)
+    with _store(shm_dir, url, server, persist_every=1) as store:
+        save(store, sd, "c")
+        store.wait_persisted("c", timeout=120)
+    server.filesystem().rm_file(f"{url}/c/__0_0.distcp")
+    with _store(fresh_root, url, server) as fresh:
+        assert fresh.latest_checkpoint() == "c"  # its commit marker is there
+        with pytest.raises(BaseException) as ei:  # noqa: B017 - DCP wraps it
+            load(fresh, blank_like(sd), "c")
+    assert f"{url}/c/__0_0.distcp is gone from the persisted copy of checkpoint 'c'" in str(ei.value)
