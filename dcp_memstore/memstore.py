@@ -608,7 +608,7 @@ class MemStore(PersistingStore, ReplicatingStore):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 self.wait_persisted(rec.checkpoint_id, left)
-            except (PersistError, TimeoutError) as e:
+            except (PersistError, OSError, ValueError) as e:  # also: damaged in memory (status raises)
                 log.warning(
                     "closing with checkpoint %r not persisted (resumes at next start): %s",
                     rec.checkpoint_id,
