@@ -471,7 +471,8 @@ class MemStore(PersistingStore, ReplicatingStore):
 
     def _trim_pools(self) -> None:
         """Free the memory of pooled shard files beyond those the next saves reuse (``max_in_flight`` x
-        ``io_threads`` per rank): eviction and deletion move a checkpoint's files into the pools. The pools
+        ``io_threads`` per rank, and as many files that saves staged and did not keep: ``FilePool.trim``):
+        eviction and deletion move a checkpoint's files into the pools. The pools
         of ranks with no file in the newest checkpoint on this node are emptied: no save of theirs
         comes to reuse them (a job restarted with fewer ranks, or with other ranks on this node)."""
         newest = catalog.committed(self.layout)[-1:]

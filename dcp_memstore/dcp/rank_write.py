@@ -40,6 +40,9 @@ from dcp_memstore.store.records import write_atomic
 from dcp_memstore.store.threads import run_parallel
 
 log = logging.getLogger(__name__)
+# A staged file is renamed into the checkpoint if this rank's items fill at least this much of it. One
+# they fill whole is at least 80% full: a file reused from the pool may be 25% larger than its contents.
+MIN_FILL = 0.75
 
 
 class RankWrite:
@@ -97,6 +100,8 @@ class RankWrite:
                 staged.setdefault(id(mf), (mf, []))[1].append((item, off, t))
             else:
                 to_copy.append((item, t))
+        sparse = self._sparse_files(staged)
+        to_copy += [(item, t) for key in sparse for item, _, t in staged.pop(key)[1]]
 
         names: dict[int, str] = {}
         next_index = 0
@@ -127,8 +132,8 @@ class RankWrite:
         crash_point("write-data", self.rank)
         for key, (mf, _) in staged.items():
             os.rename(self.slot_files[mf.key], self.dir / names[key])
-        if self.slot is not None:
-            catalog.recycle(self.store.layout, Path(self.slot))  # files this rank's plan did not need
+        if self.slot is not None:  # files this rank's items did not need, or filled too little of
+            catalog.recycle(self.store.layout, Path(self.slot), staged=True)
         if log.isEnabledFor(logging.DEBUG):  # the byte count walks every result: not on every save
             log.debug(
                 "rank %d wrote checkpoint %r: %d items, %.3f GiB in %.3f s; shard files: %d staged by "
@@ -143,6 +148,23 @@ class RankWrite:
                 len(self.claimed) - sum(self.claimed),
             )
         return self.results
+
+    @staticmethod
+    def _sparse_files(
+        staged: dict[int, tuple[MappedFile, list[tuple[WriteItem, int, torch.Tensor]]]],
+    ) -> list[int]:
+        """The keys of the staged files that this rank's items fill less than ``MIN_FILL`` of: their items
+        are copied into files of their own, and the files go back to the pool. The stager put every value
+        of the state dict into this rank's files, and DCP writes a value held by several ranks (a DDP
+        model's weights) from one of them only: renamed into the checkpoint, a file would keep the values
+        other ranks write too, and each rank's files the whole state dict."""
+        sparse = []
+        for key, (mf, entries) in staged.items():
+            spans = {off: t.numel() * t.element_size() for _, off, t in entries}  # an item saved twice: once
+            filled = round_up(sum(n + (-n % ITEM_ALIGN) for n in spans.values()))
+            if filled < MIN_FILL * mf.size:
+                sparse.append(key)
+        return sparse
 
     def _committed(self) -> bool:
         """Whether this checkpoint is committed (then every rank's files of it exist)."""

@@ -319,8 +319,9 @@ def _to_trash(layout: StoreLayout, directory: Path) -> Path | None:
     return trash
 
 
-def recycle(layout: StoreLayout, directory: Path) -> None:
-    """Move the shard files under ``directory`` into their ranks' pools and delete the directory."""
+def recycle(layout: StoreLayout, directory: Path, staged: bool = False) -> None:
+    """Move the shard files under ``directory`` into their ranks' pools and delete the directory.
+    ``staged``: they are files a save staged into and did not keep (see ``FilePool.release``)."""
     try:
         entries = list(os.scandir(directory))
     except FileNotFoundError:
@@ -329,7 +330,7 @@ def recycle(layout: StoreLayout, directory: Path) -> None:
         rank = shard_rank(entry.name) if entry.is_file() else None
         if rank is not None:
             with contextlib.suppress(FileNotFoundError):
-                FilePool(layout, rank).release(Path(entry.path))
+                FilePool(layout, rank).release(Path(entry.path), staged)
     shutil.rmtree(directory, ignore_errors=True)
 
 

@@ -21,6 +21,8 @@ from dcp_memstore.store.mapping import MAPPINGS, MappedFile
 from dcp_memstore.store.space import allocate_file
 
 FILE_ALIGN = 4096
+# Name prefix of a pooled file that a save staged and returned unwritten (``release(staged=True)``)
+STAGED_PREFIX = "staged-"
 _MAX_SLACK = 1.25  # a pooled file up to this much larger than needed is used as it is
 
 
@@ -55,15 +57,22 @@ class FilePool:
         chosen, _ = self._match(rounded)
         return sorted((s for s, e in zip(rounded, chosen, strict=True) if e is None), reverse=True)
 
-    def release(self, path: Path) -> None:
-        """Return a shard file to the pool. FileNotFoundError if the store was deleted (its directory is not
-        made again: a store removed under a running save or reservation stays removed)."""
+    def release(self, path: Path, staged: bool = False) -> None:
+        """Return a shard file to the pool; ``staged``: a file a save staged into and did not keep, as a rank
+        does where another rank writes most of its values (DDP), which its next save stages into again
+        (``trim`` keeps those apart). FileNotFoundError if the store was deleted (its directory is not made
+        again: a store removed under a running save or reservation stays removed)."""
         self.dir.mkdir(exist_ok=True)
-        os.rename(path, self.dir / f"{uuid.uuid4().hex}{SHARD_SUFFIX}")
+        os.rename(path, self.dir / f"{STAGED_PREFIX if staged else ''}{uuid.uuid4().hex}{SHARD_SUFFIX}")
 
     def trim(self, keep: int) -> None:
-        """Delete all but the ``keep`` newest pooled files, and this process's mappings of them."""
-        entries = sorted(self._entries(), key=_mtime, reverse=True)[keep:]
+        """Delete all but the ``keep`` newest pooled files of checkpoints and the ``keep`` newest staged
+        files returned unwritten (see ``release``), and this process's mappings of the deleted ones. A rank
+        that returns staged files needs both for its next save: files to stage into, files to write."""
+        kinds: dict[bool, list[os.DirEntry]] = {}
+        for e in sorted(self._entries(), key=_mtime, reverse=True):
+            kinds.setdefault(e.name.startswith(STAGED_PREFIX), []).append(e)
+        entries = [e for kind in kinds.values() for e in kind[keep:]]
         for e in entries:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(e.path)

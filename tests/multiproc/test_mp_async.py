@@ -1,7 +1,10 @@
 """dcp.async_save on 2 gloo ranks with the THREAD and PROCESS executors and plan caching, loaded bit-exact;
-the state holds a DTensor and a ShardedTensor as well as plain tensors."""
+the state holds a DTensor and a ShardedTensor as well as plain tensors. Also a state that every rank holds
+whole (DDP): its checkpoints take its size once, and steady-state saves make no new files."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -117,3 +120,63 @@ def test_async_saves_then_load(mp: MultiProc, executor: str, plan_caching: bool,
     assert results == [{"listed": kept, "latest": kept[-1]}] * 2
     assert sorted(p.name for p in (mp.job_dir / "checkpoints").iterdir()) == kept
     assert not any((mp.job_dir / "staging").iterdir()), "staging slots left behind after every save finished"
+
+
+REPLICATED_SAVES = 7
+
+
+def replicated_state(step: int) -> dict:
+    """A DDP trainer's state: the same values on every rank, of sizes that no two ranks' files split alike."""
+    return {f"layer{i}": make_tensor(step * 100 + i, ((i + 1) * 4096,), torch.float32) for i in range(8)}
+
+
+def _shard_files(job_dir: str) -> dict[int, int]:
+    """Inode -> size of every shard file of the job: checkpoints, pools, staging slots."""
+    return {
+        (st := os.stat(os.path.join(d, f))).st_ino: st.st_size
+        for d, _, files in os.walk(job_dir)
+        for f in files
+        if f.endswith(".shard")
+    }
+
+
+def async_saves_replicated(rank: int, world: int, root: str) -> dict:
+    """Async-save a state every rank holds whole; after each save, rank 0 notes the bytes of the newest
+    checkpoint's shard files and the shard files of the job. Then load the kept checkpoints bit-exact."""
+    import torch.distributed as dist
+
+    store = MemStore(root, "job", keep_in_memory=KEEP, io_threads=2)
+    writer = MemoryStorageWriter(store)
+    checkpoint_bytes, files = [], []
+    for step in range(1, REPLICATED_SAVES + 1):
+        fut = dcp.async_save(replicated_state(step), checkpoint_id=f"step-{step}", storage_writer=writer)
+        fut.result(timeout=120)
+        dist.barrier()
+        newest = store.layout.checkpoint_dir(f"step-{step}")
+        checkpoint_bytes.append(sum(_shard_files(str(newest)).values()))
+        files.append(_shard_files(str(store.layout.job_dir)))
+        dist.barrier()  # rank 0 looked before the next save
+    reader = MemoryStorageReader(store)
+    for step in range(REPLICATED_SAVES - KEEP + 1, REPLICATED_SAVES + 1):
+        target = blank_like(replicated_state(step))
+        dcp.load(target, checkpoint_id=f"step-{step}", storage_reader=reader)
+        assert_bit_equal(target, replicated_state(step), f"step-{step} rank {rank}")
+    store.close()
+    return {"checkpoint_bytes": checkpoint_bytes, "files": files}
+
+
+def test_async_saves_of_a_state_every_rank_holds(mp: MultiProc) -> None:
+    """DCP writes each value that every rank holds from one rank only, but the stager copies the whole
+    state dict into each rank's files. A checkpoint must still take the state's size once (with two ranks,
+    not twice: a staged file the rank writes little of is not kept in it), and once the job holds its
+    checkpoints, saves reuse the files they had (the pool keeps the staged files as well as the
+    checkpoints' own)."""
+    results = mp.run(async_saves_replicated, 2, str(mp.root))
+    state_bytes = sum(t.numel() * t.element_size() for t in replicated_state(0).values())
+    ranks0 = results[0]
+    assert all(b < 1.3 * state_bytes for b in ranks0["checkpoint_bytes"]), (
+        f"checkpoints take {ranks0['checkpoint_bytes']} bytes of shard files for a state of {state_bytes}"
+    )
+    steady = ranks0["files"][KEEP + 1 :]
+    made = [sorted(set(f) - set(steady[0])) for f in steady]
+    assert not any(made), f"steady-state saves made new shard files (inodes per save): {made}"

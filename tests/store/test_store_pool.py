@@ -108,6 +108,22 @@ def test_trim_keeps_only_the_newest_files(layout, shm_dir):
         assert not MAPPINGS.is_mapped((os.stat(shm_dir).st_dev, ino))
 
 
+def test_trim_keeps_the_newest_files_of_checkpoints_and_of_staging_apart(layout, shm_dir):
+    """A rank whose staged files go back unwritten (another rank writes their values: DDP) needs, for its
+    next save, files to stage into and files to write: newer files of one kind must not push out the
+    other kind's, or every save allocates new files again."""
+    pool = FilePool(layout, 0)
+    paths = [shm_dir / f"f{i}" for i in range(4)]
+    for p in paths:
+        _acquire(pool, p, 4096)
+    inos = [os.stat(p).st_ino for p in paths]
+    for i, p in enumerate(paths):
+        os.utime(p, (time.time() - 100 + i, time.time() - 100 + i))  # the checkpoints' files are newer
+        pool.release(p, staged=i < 2)
+    pool.trim(keep=1)
+    assert sorted(p.stat().st_ino for p in _pooled(pool)) == sorted([inos[1], inos[3]])
+
+
 def test_pools_are_per_rank(layout, shm_dir):
     _acquire(FilePool(layout, 0), shm_dir / "a", 4096)
     FilePool(layout, 0).release(shm_dir / "a")
