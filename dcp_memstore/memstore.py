@@ -16,8 +16,9 @@ from typing import Any
 import torch.distributed as dist
 
 from dcp_memstore.errors import InsufficientSpaceError, PersistError
+from dcp_memstore.persist import target_users
 from dcp_memstore.persist.persister import Persister
-from dcp_memstore.persist.progress import Progress, is_persist_hold
+from dcp_memstore.persist.progress import Progress, is_persist_hold, target_key
 from dcp_memstore.persist.publish import remote_committed
 from dcp_memstore.persist.remote_read import RemoteCheckpoint
 from dcp_memstore.persist.target import PersistTarget
@@ -272,11 +273,15 @@ class MemStore(PersistingStore, ReplicatingStore):
         cleared = catalog.clear_abandoned(self.layout, keep_prepared=True)
         if cleared:
             log.info("cleared uncommitted leftovers of dead saves: %s", cleared)
-        if self.target is None and (owed := self._owed()):
+        if self.target is not None:
+            target_users.register(self.layout, target_key(self.target.url))
+        if owed := self._owed(binding=False):
+            mine = "no persist_to" if self.target is None else f"persist_to {self.target.url}"
             warnings.warn(
-                f"checkpoints {owed} in {self.layout.job_dir} are still owed to persistent storage, but this "
-                "MemStore has no persist_to: it does not upload them and evicts them like any other. To "
-                "persist them, open the store with persist_to=... before they are evicted",
+                f"checkpoints {owed} in {self.layout.job_dir} are still owed to persistent storage, to a "
+                f"target that no running process of the job has open, and this MemStore has {mine}: it "
+                "does not upload them and evicts them like any other. To persist them, open a store with "
+                "their persist_to before they are evicted",
                 stacklevel=2,
             )
         self._persister = (
@@ -454,14 +459,16 @@ class MemStore(PersistingStore, ReplicatingStore):
         """Retention after a commit on this node: evict beyond ``keep_in_memory`` (with the replicas and
         fetched files of evicted checkpoints, and those of checkpoints this node no longer has), trim the
         pools of reusable files, wake the replicator."""
-        # without persist_to, no upload will ever release a persist hold (one left by an earlier run);
-        # without replication, no replica is sent and no report moves the safe point: the replication
-        # holds a multi-node run left (its processes killed while replicating) would pin their
-        # checkpoints for good in a job restarted on one node
-        no_uploads, no_reports = self.target is None, not self._replicating()
+        # an upload hold for a target no running process has open (one left by an earlier run) will
+        # never be released (``_binding``); without replication, no replica is sent and no report moves
+        # the safe point: the replication holds a multi-node run left (its processes killed while
+        # replicating) would pin their checkpoints for good in a job restarted on one node
+        no_reports = not self._replicating()
 
         def ignored(hold: str) -> bool:
-            return (no_uploads and is_persist_hold(hold)) or (no_reports and hold in _REPLICATION_HOLDS)
+            return (is_persist_hold(hold) and not self._binding(hold)) or (
+                no_reports and hold in _REPLICATION_HOLDS
+            )
 
         catalog.evict(self.layout, self.keep_in_memory, ignored)
         catalog.drop_stale_copies(self.layout)
@@ -499,6 +506,7 @@ class MemStore(PersistingStore, ReplicatingStore):
             except InsufficientSpaceError as e:
                 owed = self._owed()
                 if not owed:
+                    self._full_of_owed_to_no_one(e)
                     self._full_of_replication(e)
                     raise
                 if self.target is None:
@@ -506,9 +514,9 @@ class MemStore(PersistingStore, ReplicatingStore):
                         e.root,
                         e.needed,
                         e.free,
-                        f"{len(owed)} checkpoint(s) kept in memory for uploads by a store with persist_to: "
-                        f"{owed}; this store has none and evicts them only after its next commit: free "
-                        "memory with store.delete(id), or open the store with persist_to=... to upload them",
+                        f"{len(owed)} checkpoint(s) kept in memory for uploads by another store of this job, "
+                        f"with persist_to: {owed}; this store has none: free memory with store.delete(id), "
+                        "or wait for those uploads",
                     ) from None
                 failed = [cid for cid in owed if self.status(cid).persist == "failed"]
                 if self.persist_backlog == "wait" and len(failed) < len(owed) and time.monotonic() < deadline:
@@ -527,6 +535,19 @@ class MemStore(PersistingStore, ReplicatingStore):
                     f"{len(owed)} checkpoint(s) held in memory until uploaded to {self.target.url}: "
                     f"{owed}; {why}",
                 ) from None
+
+    def _full_of_owed_to_no_one(self, e: InsufficientSpaceError) -> None:
+        """Raise ``e`` again, naming the checkpoints owed to a target no running process has open, if any:
+        the next commit evicts them like any other, but only if a save fits first."""
+        if unbound := self._owed(binding=False):
+            raise InsufficientSpaceError(
+                e.root,
+                e.needed,
+                e.free,
+                f"{len(unbound)} checkpoint(s) owed to persistent storage that no running process of this "
+                f"job has open: {unbound}; evicted like any other after the next commit: free memory with "
+                "store.delete(id), or open a store with their persist_to to upload them",
+            ) from None
 
     def _full_of_replication(self, e: InsufficientSpaceError) -> None:
         """Raise ``e`` again, naming the checkpoints that replication keeps in memory, if there are any."""
@@ -585,6 +606,8 @@ class MemStore(PersistingStore, ReplicatingStore):
             if self._persister is not None:
                 self._persister.release(timeout)
                 self._persister = None
+            if self.target is not None and not self._is_copy:
+                target_users.unregister(self.layout, target_key(self.target.url))
             for hook in self._close_hooks:
                 try:
                     hook()

@@ -15,8 +15,9 @@ import time
 from collections.abc import Callable
 
 from dcp_memstore.errors import PersistError
+from dcp_memstore.persist import target_users
 from dcp_memstore.persist.persister import global_rank, node_share
-from dcp_memstore.persist.progress import PRESSING, Progress, is_owed
+from dcp_memstore.persist.progress import PRESSING, Progress, is_persist_hold, target_key
 from dcp_memstore.persist.publish import read_parts, remote_commit
 from dcp_memstore.persist.remote_read import RemoteCheckpoint
 from dcp_memstore.persist.target import COMMITTED, describe
@@ -228,11 +229,21 @@ class PersistingStore:
         log.warning("checkpoint %r cannot be persisted to %s: %s", cid, self.target.url, reason)
         Progress(self.layout, cid, self.target.url).report(global_rank(), "failed", reason)
 
-    def _owed(self) -> list[str]:
-        """The committed checkpoints owed to persistent storage (held in memory until uploaded)."""
-        return [
-            r.checkpoint_id for r in catalog.committed(self.layout) if is_owed(self.layout, r.checkpoint_id)
-        ]
+    def _binding(self, hold: str) -> bool:
+        """Whether upload hold ``hold`` keeps its checkpoint in memory for this store: its own target's, or
+        another target's that a live process of the job has open (``target_users``)."""
+        own = self.target is not None and hold == target_key(self.target.url)
+        return is_persist_hold(hold) and (own or target_users.in_use(self.layout, hold))
+
+    def _owed(self, binding: bool = True) -> list[str]:
+        """The committed checkpoints owed to persistent storage: held in memory until uploaded (``binding``,
+        see ``_binding``), or else those whose upload holds bind nothing (no process uploads them)."""
+        owed = []
+        for r in catalog.committed(self.layout):
+            held = [h for h in catalog.holds(self.layout, r.checkpoint_id) if is_persist_hold(h)]
+            if held and any(self._binding(h) for h in held) == binding:
+                owed.append(r.checkpoint_id)
+        return owed
 
     def _remote_of_local(self, cid: str, save: catalog.CommitRecord) -> RemoteCheckpoint | None:
         """``_remote(cid, save)``, for files of ``cid`` that cannot be read from this node's memory; a

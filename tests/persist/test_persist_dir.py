@@ -735,3 +735,49 @@ def test_a_load_that_needs_a_persisted_copy_deleted_from_the_target_names_its_ur
         with pytest.raises(BaseException) as ei:  # noqa: B017 - DCP wraps it
             load(store, blank_like(sd), "c")
         assert f"persisted to {bucket_dir}/c, but that copy is gone" in str(ei.value)
+
+
+_OWES_AND_WAITS = """
+import sys
+import time
+sys.path.insert(0, {repo!r})
+from pathlib import Path
+from dcp_memstore import MemStore
+from tests.dcp.dcp_state import save
+from tests.persist.test_persist_dir import _block, _state, _wait_for_failed
+target = Path({target!r})
+store = MemStore(root={root!r}, job_id="job", keep_in_memory=1, persist_to=str(target), persist_on_close=0)
+_block(target)
+save(store, _state(1), "c1")
+store.persist("c1")
+_wait_for_failed(store, "c1")
+print("owed", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_hold_for_a_target_no_running_process_has_open_is_evicted_by_another_store(shm_dir, tmp_path):
+    """A process owes c1 to target A, whose uploads fail, and stays alive: a store of the same job with
+    persist_to B keeps c1 in memory for A (it may still upload it). Once that process is SIGKILLed, no
+    process will ever upload c1 to A (a job restarted with a new persist_to): the store warns at open and
+    its next commit evicts c1 like any other, instead of pinning it in memory for good."""
+    repo = str(Path(__file__).resolve().parents[2])
+    a_dir, b_dir = tmp_path / "a", tmp_path / "b"
+    a_dir.mkdir()
+    code = _OWES_AND_WAITS.format(repo=repo, root=str(shm_dir), target=str(a_dir))
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout.readline().strip() == "owed"
+        opts = {"keep_in_memory": 1, "persist_on_close": False}
+        with _pstore(shm_dir, b_dir, **opts) as b:
+            save(b, _state(2), "c2")
+            assert b.list_checkpoints() == ["c1", "c2"]  # A's upload may still come
+            owner.kill()
+            owner.wait(timeout=30)
+            with pytest.warns(UserWarning, match=r"\['c1'\].*no running process of the job has open"):
+                _pstore(shm_dir, b_dir, **opts).close()
+            save(b, _state(3), "c3")
+            assert b.list_checkpoints() == ["c3"]
+    finally:
+        owner.kill()
+        owner.wait(timeout=30)

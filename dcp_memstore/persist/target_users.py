@@ -1,0 +1,65 @@
+"""Which persistence targets a live process of the job has open: a retention hold for another store's
+target keeps a checkpoint in memory only while one does.
+
+Each upload holds its checkpoint under the name of its target (``progress.target_key``), so two stores of
+one job with different ``persist_to`` each keep it until their own upload is published. A store's own
+target's hold always binds it: a restarted job uploads what the run before it owed. Another target's hold
+binds only while a process that opened a store with that target lives. Otherwise a hold left by an earlier
+run with another ``persist_to`` (the job restarted with a new one, or without one) would pin its
+checkpoint in memory for good, since no process uploads it there any more.
+
+A store with ``persist_to`` registers its process under ``<job>/targets/<target key>/<token>``, the token
+of the process's liveness lock (``store.liveness``, which the kernel drops when the process dies), until
+the process closes its last store with that target.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from pathlib import Path
+
+from dcp_memstore.store import liveness
+from dcp_memstore.store.layout import StoreLayout
+
+_DIR = "targets"
+_open: dict[Path, int] = {}  # this process's registrations -> how many of its stores hold each open
+_guard = threading.Lock()
+
+
+def register(layout: StoreLayout, key: str) -> None:
+    """Record that this process has a store of ``layout``'s job open with the target named ``key``."""
+    path = layout.job_dir / _DIR / key / liveness.own_token(layout)
+    with _guard:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+        _open[path] = _open.get(path, 0) + 1
+
+
+def unregister(layout: StoreLayout, key: str) -> None:
+    """A store that ``register`` recorded was closed: once this process has none open with ``key``, its
+    holds for that target bind other stores no more."""
+    path = layout.job_dir / _DIR / key / liveness.own_token(layout)
+    with _guard:
+        left = _open.pop(path, 0) - 1
+        if left > 0:
+            _open[path] = left
+        else:
+            path.unlink(missing_ok=True)
+
+
+def in_use(layout: StoreLayout, key: str) -> bool:
+    """Whether a live process of the job has a store open with the target named ``key``; the
+    registrations of dead processes are removed on the way."""
+    d = layout.job_dir / _DIR / key
+    try:
+        tokens = os.listdir(d)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    for token in tokens:
+        if liveness.is_token(token) and liveness.alive(layout, token):
+            return True
+        with contextlib.suppress(FileNotFoundError):
+            (d / token).unlink()
+    return False
