@@ -4,6 +4,14 @@ Every rank runs a peer server and announces its address in the torch.distributed
 ``dcp_memstore/<job>/addr/<rank>``; a rank reads the others' when it first needs them. ``Peers`` is plain
 data (picklable), so DCP's checkpoint process can commit and replicate with what the training process
 learned.
+
+A rank that has not announced its server may be starting (slower to open its ``MemStore``), or dead (it
+failed or was killed before), or never open one: nothing of this package ran there, so nothing tells
+these apart but time. The ranks of a job start their replication at the same point of the training
+script (when the ``MemStore`` opens after ``init_process_group``, else at its first save or load), so a
+live one announces soon after the others: a lookup waits for ranks that have not announced until
+``ANNOUNCE_GRACE_S`` after this rank's own replication started, then fails naming them. Past that, it
+fails at once: a rank that missed the start is not waited for again on every call.
 """
 
 from __future__ import annotations
@@ -12,15 +20,17 @@ import contextlib
 import ipaddress
 import os
 import socket
+import time
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
-from dcp_memstore.replication.placement import NodeInfo, peer_rank, replica_targets
+from dcp_memstore.replication.placement import NodeInfo, node_of, peer_rank, replica_targets
 from dcp_memstore.replication.transport import PeerAddress
 from dcp_memstore.store.ids import validate_name
 
 ENV_BIND = "DCP_MEMSTORE_BIND"
+ANNOUNCE_GRACE_S = 60.0  # how long after this rank's start the others' servers are waited for
+_POLL_S = 0.1
 
 
 def node_name(node: int) -> str:
@@ -63,23 +73,36 @@ def announce(store: Any, job_id: str, rank: int, address: PeerAddress) -> None:
     store.set(address_key(job_id, rank), f"{address[0]} {address[1]}")
 
 
-def lookup(store: Any, job_id: str, world_size: int, timeout_s: float) -> dict[int, PeerAddress]:
-    """Every rank's server address, waiting up to ``timeout_s`` for ranks that have not announced one."""
-    keys = [address_key(job_id, r) for r in range(world_size)]
-    try:
-        store.wait(keys, timedelta(seconds=timeout_s))
-    except RuntimeError as e:  # c10d's DistStoreError (a timeout) subclasses RuntimeError
-        missing = [r for r, k in enumerate(keys) if not store.check([k])]
-        raise RuntimeError(
-            f"ranks {missing} of job {job_id!r} announced no replication server within {timeout_s} s: "
-            "every rank must create its MemStore (after init_process_group) before the first save"
-        ) from e
+def lookup(store: Any, job_id: str, node: NodeInfo, deadline: float, waited: str) -> dict[int, PeerAddress]:
+    """Every rank's server address in the job of this process (``node``), waiting until ``deadline``
+    (``time.monotonic()``) for ranks that have not announced one; past it, RuntimeError naming them and
+    their nodes, with how long they were waited for (``waited``, e.g. "within 60 s of this rank's
+    start"). The store is polled with short ``check`` calls rather than one long ``wait``: a wait holds
+    the store client's lock, stalling every other use of the store in this process (another thread's
+    lookup, ``dist.new_group``) until it ends."""
+    keys = [address_key(job_id, r) for r in range(node.world_size)]
+    while not store.check(keys):
+        if time.monotonic() >= deadline:
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            if missing:
+                raise RuntimeError(_not_announced(job_id, node, missing, waited))
+        time.sleep(_POLL_S)
     out = {}
     for r, k in enumerate(keys):
         host, port = bytes(store.get(k)).decode().rsplit(" ", 1)
         out[r] = (host, int(port))
     check_reachable(out)
     return out
+
+
+def _not_announced(job_id: str, node: NodeInfo, missing: list[int], waited: str) -> str:
+    where = ", ".join(f"rank {r} on node {node_of(r, node.local_world_size)}" for r in missing)
+    return (
+        f"{where} of job {job_id!r} announced no replication server {waited}. Such a rank failed or was "
+        "killed before opening its MemStore (see its node's log), opens none, or opens one with another "
+        "job id: every rank must create its MemStore with the same job id after init_process_group, "
+        "before the first save or load. Restart the job once every rank does"
+    )
 
 
 def _is_loopback(host: str) -> bool:

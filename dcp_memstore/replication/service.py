@@ -10,12 +10,13 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 import torch.distributed as dist
 
 from dcp_memstore.replication.auth import shared_secret
-from dcp_memstore.replication.peers import Peers, announce, announced_host, lookup
+from dcp_memstore.replication.peers import ANNOUNCE_GRACE_S, Peers, announce, announced_host, lookup
 from dcp_memstore.replication.placement import NodeInfo
 from dcp_memstore.replication.rdma import RdmaTransport
 from dcp_memstore.replication.replicator import Replicator
@@ -46,13 +47,13 @@ def job_node_info() -> NodeInfo | None:
 class ReplicationService:
     """The peer server and replicator of one process of job ``job_id`` (see module docstring).
 
-        ``k``: replicas of each node's files (0: none; commits still reach every node). ``on_commit`` commits
-        a checkpoint on this node when the coordinator says so; ``on_replicated`` records another node's
-        report that its files of a checkpoint are replicated (``safe_point``); ``replication_state`` tells
-    peers the replication state of this node's files of a checkpoint (``stat``). ``timeout_s`` bounds the wait
-        for other ranks to announce their servers; ``io_timeout_s`` how long a peer may stay silent in a
-        transfer; ``keep`` the store's ``keep_in_memory`` (a checkpoint whose replicas are done is evicted if
-        it is past its turn)."""
+    ``k``: replicas of each node's files (0: none; commits still reach every node). ``on_commit`` commits
+    a checkpoint on this node when the coordinator says so; ``on_replicated`` records another node's
+    report that its files of a checkpoint are replicated (``safe_point``); ``replication_state`` tells
+    peers the replication state of this node's files of a checkpoint (``stat``). ``timeout_s`` bounds the
+    wait for other ranks to announce their servers (see ``peers``); ``io_timeout_s`` how long a peer may
+    stay silent in a transfer; ``keep`` the store's ``keep_in_memory`` (a checkpoint whose replicas are
+    done is evicted if it is past its turn)."""
 
     def __init__(
         self,
@@ -102,20 +103,35 @@ class ReplicationService:
             raise
         host, port = self.server.address
         announce(self._store, layout.job_id, node.rank, (announced_host(host), port))
+        self._started = time.monotonic()
         if k and node.multi_node:
-            self.replicator = Replicator(layout, self.peers, self._data, keep, self.control)
+            self.replicator = Replicator(layout, self._peers_for_replicator, self._data, keep, self.control)
         log.info(
             "replication: node %d of %d, rank %d serving on %s:%d, %d replica(s) per file",
             node.node_rank, node.nnodes, node.rank, host, port, min(k, node.nnodes - 1),
         )  # fmt: skip
 
     def peers(self) -> Peers:
-        """The job's peers (waits, the first time, until every rank has announced its server)."""
-        with self._lock:
-            if self._peers is None:
-                addresses = lookup(self._store, self.layout.job_id, self.node.world_size, self.timeout_s)
-                self._peers = Peers(self.layout.job_id, self.node, self.k, self.secret, addresses)
-            return self._peers
+        """The job's peers. A rank that has not announced its server is waited for until
+        ``ANNOUNCE_GRACE_S`` (at most ``timeout_s``) after this service started, then RuntimeError naming
+        it, at once on every later call (see the ``peers`` module docstring: the rule)."""
+        return self._learn(min(self.timeout_s, ANNOUNCE_GRACE_S))
+
+    def _peers_for_replicator(self) -> Peers:
+        """``peers`` for the replicator thread, which holds up no caller: it waits ``timeout_s``."""
+        return self._learn(self.timeout_s)
+
+    def _learn(self, wait_s: float) -> Peers:
+        """The job's peers, waiting until ``wait_s`` after this service started for ranks that have not
+        announced their servers; looked up without the lock, so that one caller's wait holds up no other
+        (the replicator's longer one, a status call's)."""
+        if self._peers is None:
+            waited = f"within {wait_s:g} s of this rank's start"
+            addresses = lookup(self._store, self.layout.job_id, self.node, self._started + wait_s, waited)
+            with self._lock:
+                if self._peers is None:
+                    self._peers = Peers(self.layout.job_id, self.node, self.k, self.secret, addresses)
+        return self._peers
 
     def wake(self) -> None:
         if self.replicator is not None:

@@ -31,6 +31,11 @@
     close-alone: rank 0 creates its MemStore, waits until each checkpoint its node holds is replicated,
           and closes it; rank 1 never creates one (as a rank that failed before), so rank 0's replicator
           is still waiting for its server's address.
+    dead-peer: rank 1 is SIGKILLed before it creates its MemStore; rank 0, once the test saw it die
+          (file ``dead``), creates its MemStore (``stage_timeout_s=10``, with ``--persist-to``) and
+          reports how asking ``status`` of step N (not in its memory), then ``wait_persisted`` of it,
+          ended and how long each took. With ``--late S``, rank 1 instead creates its MemStore S seconds
+          late, and rank 0 only asks ``status``, at once.
 
 Every event is one line ``@@mn {json}`` on stdout (the test reads the node logs).
 """
@@ -41,6 +46,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -325,9 +331,41 @@ def close_alone(args) -> None:
     dist.barrier()
 
 
+def dead_peer(args) -> None:
+    """See ``dead-peer`` in the module docstring."""
+    if dist.get_rank() != 0:
+        if args.late is None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(args.late)
+        store = MemStore(job_id=args.job, stage_timeout_s=10)
+        dist.barrier()
+        store.close()
+        return
+    if args.late is None:
+        wait_for(Path(args.tmp) / "dead", 120)
+    store = MemStore(job_id=args.job, persist_to=args.persist_to, stage_timeout_s=10, replication_timeout_s=3)
+    opened = time.monotonic()
+    cid = f"step-{args.steps}"
+    attempts = {"status": lambda: store.status(cid).persist}
+    if args.late is None:
+        attempts["wait_persisted"] = lambda: store.wait_persisted(cid, timeout=60).persist
+    for name, attempt in attempts.items():
+        start = time.monotonic()
+        try:
+            outcome = f"returned {attempt()}"
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            outcome = f"{type(e).__name__}: {e}"
+        now = time.monotonic()
+        emit(event="dead-peer", attempt=name, outcome=outcome, seconds=now - start, since_open=now - opened)
+    if args.late is None:
+        os._exit(0)  # the process group's other rank is dead: no barrier, no destroy, no close
+    dist.barrier()
+    store.close()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("phase", choices=["save", "load", "close-alone"])
+    p.add_argument("phase", choices=["save", "load", "close-alone", "dead-peer"])
     p.add_argument("--job", default="mn")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--first", type=int, default=1, help="the step number of the first save")
@@ -349,6 +387,7 @@ def main() -> None:
     p.add_argument("--before-restore", type=int, default=0, help="node 1 reports this step, then loads")
     p.add_argument("--serve-until", default=None, help="after saving, serve until this file appears in --tmp")
     p.add_argument("--gate", type=int, default=0, help="after this step is replicated, wait for --tmp/go")
+    p.add_argument("--late", type=float, default=None, help="dead-peer: rank 1 opens its store this late")
     p.add_argument("--hang", action="store_true", help="after saving, wait to be killed")
     p.add_argument("--settle", action="store_true", help="after saving, wait until --keep are left")
     args = p.parse_args()
@@ -356,6 +395,10 @@ def main() -> None:
     dist.init_process_group("gloo")
     if args.phase == "close-alone":
         close_alone(args)
+        dist.destroy_process_group()
+        return
+    if args.phase == "dead-peer":
+        dead_peer(args)
         dist.destroy_process_group()
         return
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))

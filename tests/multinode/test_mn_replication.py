@@ -332,3 +332,40 @@ def test_a_rank_that_never_announced_its_server_blocks_neither_status_nor_close(
     (closed,) = of(evs, "closed")
     assert closed["replication"] == ["replicated"], closed
     assert closed["wait_s"] < 10 and closed["close_s"] < 10, closed
+
+
+def test_a_rank_killed_before_it_announced_its_server_fails_lookups_at_the_grace_then_at_once(
+    cluster2, tmp_path
+):
+    """Step 1 is saved and replicated, then node 0 is replaced (empty memory). In a new job, rank 1 is
+    SIGKILLed before it creates its MemStore. Rank 0 (stage_timeout_s=10, so a grace of 10 s for ranks
+    that have not announced) asks the status of step 1, which needs the other nodes' servers: it fails
+    at the end of the grace (not after stage_timeout_s more, queued behind the replicator's own wait),
+    naming rank 1 and its node; wait_persisted of it, next, fails at once, naming them again."""
+    run_job(cluster2, [0, 1], ["save", "--steps", 1, "--wait-replicated"], tmp_path)
+    cluster2.node(0).wipe_root()
+    (tmp_path / "persist").mkdir()
+    args = ["dead-peer", "--steps", 1, "--tmp", tmp_path, "--persist-to", tmp_path / "persist"]
+    procs = launch(cluster2, [0, 1], args, tmp_path)
+    procs[1].wait(TIMEOUT_S)
+    assert procs[1].returncode != 0
+    (tmp_path / "dead").write_text("")
+    wait_line(tmp_path / "node0.log", '"attempt": "wait_persisted"', TIMEOUT_S)
+    status, again = of(events((tmp_path / "node0.log").read_text(errors="replace")), "dead-peer")
+    for report in (status, again):
+        assert report["outcome"].startswith("RuntimeError: rank 1 on node 1 of job 'mn' announced no"), report
+        assert "killed before opening its MemStore" in report["outcome"], report
+    assert 9 < status["since_open"] < 13, status
+    assert again["seconds"] < 2, again
+
+
+def test_a_rank_slow_to_announce_its_server_is_waited_for(cluster2, tmp_path):
+    """As above, but rank 1 is alive and creates its MemStore 4 s after rank 0: rank 0's status of step
+    1 waits for its server and answers what node 1's records say."""
+    run_job(cluster2, [0, 1], ["save", "--steps", 1, "--wait-replicated"], tmp_path)
+    cluster2.node(0).wipe_root()
+    (tmp_path / "persist").mkdir()
+    args = ["dead-peer", "--steps", 1, "--late", 4, "--persist-to", tmp_path / "persist"]
+    (evs, _) = run_job(cluster2, [0, 1], args, tmp_path)
+    (status,) = of(evs, "dead-peer")
+    assert status["outcome"] == "returned not requested", status  # node 1's answer: it was waited for
