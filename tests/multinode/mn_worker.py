@@ -262,8 +262,10 @@ def report_status(store: MemStore, cid: str, event: str) -> None:
 
 
 def watch(store: MemStore, cid: str, tmp: Path) -> None:
-    """Rank 0 trains (a small matmul per step) and reports every change of ``status(cid)`` until it is
-    replicated, then tells the other ranks; they wait without collectives."""
+    """Rank 0 trains (a small matmul per step) and reports every change of ``status(cid)`` and of its
+    ``replicate`` hold until it is replicated and the hold released, then tells the other ranks; they
+    wait without collectives. (The replicator releases the hold just after it recorded the last
+    acknowledgement, which ``status`` already reports as replicated.)"""
     done = tmp / "replicated"
     if dist.get_rank() != 0:
         wait_for(done, 120)
@@ -282,7 +284,7 @@ def watch(store: MemStore, cid: str, tmp: Path) -> None:
         if now != last:
             emit(event="status", steps=steps, replication=now[0], replicas=now[1], held=now[2])
             last = now
-        if st.replicated:
+        if st.replicated and not now[2]:
             break
         time.sleep(0.05)
     done.write_text("ok")

@@ -211,8 +211,7 @@ def test_peer_cut_off_during_replication_training_goes_on(cluster2, tmp_path):
     )
     wait_line(tmp_path / "node0.log", '"saved"', TIMEOUT_S)
     n1.link_down()
-    wait_line(tmp_path / "node0.log", "retrying", 30)
-    time.sleep(1.0)
+    wait_line(tmp_path / "node0.log", '"node1": "retrying', 30)  # status says so (not only the log)
     n1.link_up()
     n0.run(["tc", "qdisc", "del", "dev", n0.ifname, "root"], timeout=10)
     evs = finish(procs, [0, 1], tmp_path)[0]
