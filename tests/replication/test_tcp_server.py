@@ -192,7 +192,7 @@ def test_stat_says_the_upload_state_of_a_committed_copy_towards_the_named_target
     progress = Progress(peer, "step-1", url)
     progress.request("on demand")
     assert upload() == {"state": "queued", "error": None}
-    assert upload("s3://bucket/other") == {"state": "queued", "error": None}  # owed: the hold is shared
+    assert upload("s3://bucket/other") == {"state": "not requested", "error": None}  # a hold per target
     progress.report(0, "retrying", "ConnectionError: down")  # by this (live) process
     assert upload() == {"state": "retrying", "error": "ConnectionError: down"}
     progress.report(1, "failed", "PermissionError: denied")
