@@ -68,7 +68,7 @@ def _show(args: argparse.Namespace) -> int:
         f"written by {m.world_size} rank(s)"
     )
     held = catalog.hold_names(layout, m.checkpoint_id)
-    if held:  # e.g. "persist": owed to persistent storage, not evicted until uploaded
+    if held:  # e.g. "persist-<hex>": owed to persistent storage, not evicted until uploaded
         print(f"  held in memory for: {', '.join(held)}")
     for name, size in sorted(m.files.items()):
         print(f"  {name:<24} {size:>14} bytes")

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from dcp_memstore.errors import InsufficientSpaceError, PersistError
 from dcp_memstore.persist import target_users
 from dcp_memstore.persist.persister import Persister
-from dcp_memstore.persist.progress import Progress, is_persist_hold, target_key
+from dcp_memstore.persist.progress import Progress, adopt_unnamed_holds, is_persist_hold, target_key
 from dcp_memstore.persist.publish import remote_committed
 from dcp_memstore.persist.remote_read import RemoteCheckpoint
 from dcp_memstore.persist.target import PersistTarget
@@ -275,6 +275,8 @@ class MemStore(PersistingStore, ReplicatingStore):
             log.info("cleared uncommitted leftovers of dead saves: %s", cleared)
         if self.target is not None:
             target_users.register(self.layout, target_key(self.target.url))
+            if adopted := adopt_unnamed_holds(self.layout, self.target.url):
+                log.info("owed to %s, as an earlier version held them: %s", self.target.url, adopted)
         if owed := self._owed(binding=False):
             mine = "no persist_to" if self.target is None else f"persist_to {self.target.url}"
             warnings.warn(
@@ -333,7 +335,7 @@ class MemStore(PersistingStore, ReplicatingStore):
         view = [
             list(mine.values()),
             node.node_rank if node else None,
-            inventory(self.layout) if reports_node else None,
+            inventory(self.layout, self.target.url if self.target else None) if reports_node else None,
         ]
         views = all_gather_records(view, process_group) if dist_active() else [view]
         inventories = {v[1]: v[2] for v in views if v[2] is not None}
@@ -471,6 +473,8 @@ class MemStore(PersistingStore, ReplicatingStore):
             )
 
         catalog.evict(self.layout, self.keep_in_memory, ignored)
+        if self.target is None:
+            catalog.drop_superseded(self.layout, self.keep_in_memory)
         catalog.drop_stale_copies(self.layout)
         self._trim_pools()
         if self._service is not None:

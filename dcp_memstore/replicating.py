@@ -142,7 +142,7 @@ class ReplicatingStore:
         does it; the node's other ranks wait in a barrier (their loads read those files)."""
         try:
             if local_rank_and_size()[0] == 0:
-                inventories = {0: inventory(self.layout)}
+                inventories = {0: inventory(self.layout, self.target.url if self.target else None)}
                 for cid in self._owed():
                     self._take_over(cid, inventories, 0, {})
         except Exception:  # noqa: BLE001 - the other ranks wait in the barrier; the upload waits (queued)
@@ -307,11 +307,12 @@ class ReplicatingStore:
         else:  # commit
             if not (directory / MANIFEST).exists():
                 raise ValueError(f"checkpoint {cid!r} was not prepared on this node")
-            self.prepare_commit(cid, record["seq"])
-            catalog.commit(
-                self.layout, cid, record["nbytes"], seq=record["seq"], committed_at=record["committed_at"]
-            )
-            (directory / PREPARED).unlink(missing_ok=True)
+            with catalog.commit_lock(self.layout):  # not while retention discards it as superseded
+                self.prepare_commit(cid, record["seq"])
+                catalog.commit(
+                    self.layout, cid, record["nbytes"], seq=record["seq"], committed_at=record["committed_at"]
+                )
+                (directory / PREPARED).unlink(missing_ok=True)
             self.after_commit()
         return catalog.next_seq(self.layout)
 
@@ -364,17 +365,23 @@ class ReplicatingStore:
         off (one node, or ``replicas=0``). FileNotFoundError if no node's memory holds it, or if this
         node's memory does not and some files will stay under-replicated whatever the wait (``stalled``:
         a node's files that only replicas keep); TimeoutError after ``timeout`` seconds, saying which
-        replicas are missing and why."""
+        replicas are missing and why. Polls only the replication (not the persistent copy), at most a few
+        times a second."""
+        cid = validate_name(checkpoint_id)
+        self.check_open()
         deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 0.05
         while True:
-            st = self.status(checkpoint_id)
+            in_memory = catalog.read_commit(self.layout, cid) is not None
+            cluster = functools.cache(functools.partial(self._cluster_copy, cid))
+            st = self._with_replication(CheckpointStatus(cid, in_memory, "off"), cluster)
             if st.replication in ("off", "replicated"):
-                return st
+                return self.status(cid)
             if st.replication == NOT_IN_MEMORY:
                 raise FileNotFoundError(
-                    f"checkpoint {st.checkpoint_id!r} is in no node's memory (committed here: "
-                    f"{self.list_checkpoints() or 'none'}; persisted: {st.persist}), so none of its files "
-                    "is replicated"
+                    f"checkpoint {cid!r} is in no node's memory (committed here: "
+                    f"{self.list_checkpoints() or 'none'}; persisted: {self.status(cid).persist}), so none "
+                    "of its files is replicated"
                 )
             if st.stalled:
                 raise FileNotFoundError(
@@ -388,4 +395,5 @@ class ReplicatingStore:
                 raise TimeoutError(
                     f"checkpoint {st.checkpoint_id!r} not replicated after {timeout} s: {st.replicas}"
                 )
-            time.sleep(0.05)
+            time.sleep(pause)
+            pause = min(2 * pause, 0.5)

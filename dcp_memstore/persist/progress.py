@@ -26,6 +26,8 @@ from dcp_memstore.store.records import read_record, write_record
 from dcp_memstore.store.tier_progress import TierProgress
 
 PERSIST_HOLD_PREFIX = "persist-"  # of the retention holds, one per target (``target_key``)
+# the one upload hold of stores before holds were per target: ``adopt_unnamed_holds`` names it
+UNNAMED_PERSIST_HOLD = "persist"
 # Upload states short of published, the most pressing first: the state of a checkpoint whose processes (or
 # nodes) report different ones is the first of theirs here.
 PRESSING = ("failed", "retrying", "uploading", "queued", "not requested")
@@ -39,7 +41,20 @@ def target_key(target_url: str) -> str:
 
 def is_persist_hold(hold: str) -> bool:
     """Whether retention hold ``hold`` is an upload's (to any target)."""
-    return hold.startswith(PERSIST_HOLD_PREFIX)
+    return hold.startswith(PERSIST_HOLD_PREFIX) or hold == UNNAMED_PERSIST_HOLD
+
+
+def adopt_unnamed_holds(layout: StoreLayout, target_url: str) -> list[str]:
+    """Owe to the target at ``target_url`` the checkpoints that a store of an earlier version held for its
+    upload under the one name every target shared (a job upgraded and restarted on the same tmpfs), so
+    that this store uploads them instead of no store ever releasing them; their ids."""
+    adopted = []
+    for r in catalog.committed(layout):
+        if UNNAMED_PERSIST_HOLD in catalog.hold_names(layout, r.checkpoint_id):
+            Progress(layout, r.checkpoint_id, target_url).request("held for upload by an earlier version")
+            catalog.release(layout, r.checkpoint_id, UNNAMED_PERSIST_HOLD)
+            adopted.append(r.checkpoint_id)
+    return adopted
 
 
 def is_owed(layout: StoreLayout, checkpoint_id: str, target_url: str | None = None) -> bool:

@@ -30,11 +30,12 @@ from dcp_memstore.store.threads import run_parallel
 log = logging.getLogger(__name__)
 
 
-def inventory(layout: StoreLayout) -> dict:
+def inventory(layout: StoreLayout, target_url: str | None) -> dict:
     """What this node holds: ``committed`` [[id, committed_at, seq, nbytes, {file: size} listed]],
     ``own`` {id: {file: size}} present, ``replicas`` {source node: {id: {file: size}}}, ``owed`` [ids owed
-    to persistent storage], ``prepared`` {id: [committed_at, {file: size}]} (prepared for a commit that
-    never reached this node: the coordinator's record says which save)."""
+    to the persistent storage at ``target_url``: not those an earlier run owed to another],
+    ``prepared`` {id: [committed_at, {file: size}]} (prepared for a commit that never reached this node:
+    the coordinator's record says which save)."""
     prepared = {
         cid: [record.get("committed_at"), list_files(layout.checkpoint_dir(cid))]
         for cid, record in catalog.prepared(layout).items()
@@ -45,7 +46,7 @@ def inventory(layout: StoreLayout) -> dict:
             [r.checkpoint_id, r.committed_at, r.seq, r.nbytes, manifest_files(layout, r.checkpoint_id)]
         )
         own[r.checkpoint_id] = node_files(layout, r.checkpoint_id)
-        if is_owed(layout, r.checkpoint_id):
+        if target_url is not None and is_owed(layout, r.checkpoint_id, target_url):
             owed.append(r.checkpoint_id)
     replicas: dict[str, dict[str, dict[str, int]]] = {}
     try:

@@ -466,11 +466,8 @@ def evict(
     layout: StoreLayout, keep: int, ignored_hold: Callable[[str], bool] = lambda reason: False
 ) -> list[str]:
     """Evict all but the ``keep`` newest committed checkpoints, except those held (see ``hold``) for a
-    reason that ``ignored_hold`` does not accept (holds that nothing in this process will ever release).
-    Also discards the copies this node prepared that ``keep`` newer commits superseded
-    (``_drop_superseded``)."""
+    reason that ``ignored_hold`` does not accept (holds that nothing in this process will ever release)."""
     recs = committed(layout)
-    _drop_superseded(layout, recs, keep)
     candidates = recs[: max(0, len(recs) - keep)]
     if not candidates:
         return []
@@ -488,13 +485,16 @@ def evict(
     return victims
 
 
-def _drop_superseded(layout: StoreLayout, recs: list[CommitRecord], keep: int) -> None:
+def drop_superseded(layout: StoreLayout, keep: int) -> None:
     """Discard each copy this node prepared for a commit that never came (``prepared``) once ``keep`` of
-    the checkpoints committed here (``recs``) were committed after it was prepared: had its commit come,
-    retention would have evicted it by now (a prepared copy carries no hold), and the job resumes from a
-    newer checkpoint. Otherwise it would stay until a save short of space or a new save of its id. The
-    count starts at the ``next_seq`` its ``PREPARED`` record keeps, this node's next sequence number then:
-    a copy prepared after those commits (a save being committed now) is never superseded by them."""
+    the checkpoints committed here were committed after it was prepared: had its commit come, retention
+    would have evicted it by now, and the job resumes from a newer checkpoint. Otherwise it would stay
+    until a save short of space or a new save of its id. Only for a store that persists nothing: where
+    the other nodes owe the checkpoint to persistent storage, this copy is what a restart commits to
+    finish the upload (the replicating store's ``_finish_prepared``). The count starts at the
+    ``next_seq`` its ``PREPARED`` record keeps, this node's next sequence number then: a copy prepared
+    after those commits (a save being committed now) is never superseded by them."""
+    recs = committed(layout)
     for cid, record in prepared(layout).items():
         if not _superseded(record, recs, keep):
             continue

@@ -735,6 +735,7 @@ def test_a_load_that_needs_a_persisted_copy_deleted_from_the_target_names_its_ur
         with pytest.raises(BaseException) as ei:  # noqa: B017 - DCP wraps it
             load(store, blank_like(sd), "c")
         assert f"persisted to {bucket_dir}/c, but that copy is gone" in str(ei.value)
+        assert "file __0_0.shard of checkpoint 'c' cannot be read from memory" in str(ei.value)
 
 
 _OWES_AND_WAITS = """
@@ -781,3 +782,17 @@ def test_a_hold_for_a_target_no_running_process_has_open_is_evicted_by_another_s
     finally:
         owner.kill()
         owner.wait(timeout=30)
+
+
+def test_a_checkpoint_an_earlier_version_held_for_its_upload_is_uploaded_and_released(shm_dir, bucket_dir):
+    """A store of an earlier version held owed checkpoints under one name, ``persist``, for every target
+    (placed here by hand, as that version did). The job restarted on the same tmpfs with this version
+    uploads it and releases it (before, no store ever released that hold: the checkpoint stayed in
+    memory for good, never uploaded)."""
+    with MemStore(root=shm_dir, job_id="job", keep_in_memory=1) as old:
+        save(old, _state(1), "c1")
+        catalog.hold(old.layout, "c1", "persist")
+    with _pstore(shm_dir, bucket_dir, keep_in_memory=1, persist_on_close=False) as store:
+        assert store.wait_persisted("c1", timeout=60).persisted
+        save(store, _state(2), "c2")
+        assert store.list_checkpoints() == ["c2"]

@@ -115,13 +115,15 @@ def test_inventory_lists_own_files_and_replicas(store):
     (rdir / "__1_0.shard").write_bytes(b"x" * 10)
     in_flight = part_name("__1_1.shard", liveness.own_token(store.layout), "abcdef12")
     (rdir / in_flight).write_bytes(b"partial")  # a transfer in flight: not held
-    inv = inventory(store.layout)
+    inv = inventory(store.layout, "s3://b/run")
     ((cid, _, seq, _, listed),) = inv["committed"]
     assert (cid, seq) == ("s1", 1) and set(listed) == set(inv["own"]["s1"])
     assert inv["replicas"] == {"node1": {"s1": {"__1_0.shard": 10}}}
     assert inv["owed"] == []
     catalog.hold(store.layout, "s1", target_key("s3://b/run"))  # owed to persistent storage: others learn it
-    assert inventory(store.layout)["owed"] == ["s1"]
+    assert inventory(store.layout, "s3://b/run")["owed"] == ["s1"]
+    # owed to another target (an earlier run's persist_to): not this job's to restore and upload
+    assert inventory(store.layout, "s3://b/other")["owed"] == inventory(store.layout, None)["owed"] == []
 
 
 def test_resync_acknowledges_what_the_target_holds_and_owes_what_it_lost(store):

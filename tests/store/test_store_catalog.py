@@ -325,21 +325,21 @@ def test_a_new_save_does_not_join_a_copy_prepared_for_an_earlier_save_that_never
 def test_a_prepared_copy_whose_commit_never_came_goes_once_keep_newer_checkpoints_are_committed(layout):
     """Step 2 was prepared on this node after step 1 committed; its commit never came. It stays while
     it could still be among the keep_in_memory=2 newest (step 3 alone was committed since), and is
-    discarded (its files to the pool) at the eviction that follows step 4's commit. Step 5, prepared
-    after those commits (its commit may be on the way), stays."""
+    discarded (its files to the pool) after step 4's commit. Step 5, prepared after those commits (its
+    commit may be on the way), stays."""
     _save(layout, "step-1")
     prepared = catalog.join(layout, "step-2")
     (prepared / shard_name(0, 0)).write_bytes(b"x" * 8192)
     write_record(prepared / "PREPARED", {"committed_at": 2.0, "nbytes": 8192, "next_seq": 2})
     _save(layout, "step-3")
-    catalog.evict(layout, keep=2)
+    catalog.drop_superseded(layout, keep=2)
     assert prepared.is_dir()
     _save(layout, "step-4")
     in_flight = catalog.join(layout, "step-5")
     write_record(
         in_flight / "PREPARED", {"committed_at": 5.0, "nbytes": 8, "next_seq": catalog.next_seq(layout)}
     )
-    assert catalog.evict(layout, keep=2) == ["step-1"]
+    catalog.drop_superseded(layout, keep=2)
     assert not prepared.exists() and in_flight.is_dir()
     assert list(catalog.prepared(layout)) == ["step-5"]
     assert (layout.pools_dir / "rank0").is_dir() and any((layout.pools_dir / "rank0").iterdir())
