@@ -274,7 +274,14 @@ class MemoryStorageReader(StorageReader):
                 if error is not None:
                     log.warning("%s; read it from another node's memory instead", error)
                 return
-        if src.remote is None:
+        try:
+            remote = src.remote
+        except FileNotFoundError as gone:  # persisted once, that copy deleted since: say both
+            raise FileNotFoundError(
+                f"file {file} of checkpoint {src.checkpoint_id!r} cannot be read from memory "
+                f"({error}); {gone}"
+            ) from error
+        if remote is None:
             if error is None or isinstance(error, FileNotFoundError):
                 raise FileNotFoundError(
                     f"file {file} of checkpoint {src.checkpoint_id!r} is in no tier"
@@ -282,9 +289,9 @@ class MemoryStorageReader(StorageReader):
                 ) from error
             raise error
         if error is not None:
-            log.warning("%s; reading it from %s instead", error, src.remote.target.url_of(src.checkpoint_id))
+            log.warning("%s; reading it from %s instead", error, remote.target.url_of(src.checkpoint_id))
         for r in reads:
-            self._read_remote(src.remote, r)
+            self._read_remote(remote, r)
 
     def _read_remote(self, remote: RemoteCheckpoint, r: _Read) -> None:
         """Read ``r`` from the persisted copy, checked against the checksum this checkpoint recorded."""

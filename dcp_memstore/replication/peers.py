@@ -30,7 +30,7 @@ from dcp_memstore.store.ids import validate_name
 
 ENV_BIND = "DCP_MEMSTORE_BIND"
 ANNOUNCE_GRACE_S = 60.0  # how long after this rank's start the others' servers are waited for
-_POLL_S = 0.1
+_POLL_S = (0.1, 1.0)  # first and longest pause between two looks: every rank polls the job's store
 
 
 def node_name(node: int) -> str:
@@ -79,14 +79,17 @@ def lookup(store: Any, job_id: str, node: NodeInfo, deadline: float, waited: str
     their nodes, with how long they were waited for (``waited``, e.g. "within 60 s of this rank's
     start"). The store is polled with short ``check`` calls rather than one long ``wait``: a wait holds
     the store client's lock, stalling every other use of the store in this process (another thread's
-    lookup, ``dist.new_group``) until it ends."""
+    lookup, ``dist.new_group``) until it ends. The pause between two looks doubles up to a second, so
+    that a big job's ranks waiting for a late one do not flood the store's server."""
     keys = [address_key(job_id, r) for r in range(node.world_size)]
+    pause = _POLL_S[0]
     while not store.check(keys):
         if time.monotonic() >= deadline:
             missing = [r for r, k in enumerate(keys) if not store.check([k])]
             if missing:
                 raise RuntimeError(_not_announced(job_id, node, missing, waited))
-        time.sleep(_POLL_S)
+        time.sleep(pause)
+        pause = min(2 * pause, _POLL_S[1])
     out = {}
     for r, k in enumerate(keys):
         host, port = bytes(store.get(k)).decode().rsplit(" ", 1)

@@ -408,6 +408,8 @@ class PeerServer:
                         replicas[e.name] = files
         own = list_files(own_dir)
         committed = COMMITTED in own
+        if committed and replication is None:  # maybe committed since the read above: read it again
+            replication, listed = self._replication_of(checkpoint)
         fields = {
             "own": own,
             "committed": committed,
