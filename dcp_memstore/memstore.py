@@ -620,6 +620,11 @@ class MemStore(PersistingStore, ReplicatingStore):
             MAPPINGS.prune()
             self._closed = True
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` has run: a closed store neither saves nor loads."""
+        return self._closed
+
     def on_close(self, hook: Callable[[], None]) -> None:
         """Have ``close()`` call ``hook`` (once per hook: the layers above tidy up what they hold)."""
         if hook not in self._close_hooks:

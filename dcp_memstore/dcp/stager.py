@@ -12,10 +12,12 @@ in the background (``store/reserve.py``), so that only the first save pays for n
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,30 +50,55 @@ def current_rank() -> int:
 
 
 class Stager:
-    """Stages state dicts of one job in this process (shared by every writer of the job)."""
+    """Stages state dicts of one job in this process (shared by every writer of the job).
+
+    It lives while a store of the job that used it is open: ``close()`` of the last one releases it (the
+    store, and the GPU side streams and bounce buffers it holds), and the job's next store gets a new one.
+    A process that opens and closes many stores (a notebook, an evaluation loop over jobs) keeps none."""
 
     _instances: dict[str, Stager] = {}
     _instances_lock = threading.Lock()
 
     @classmethod
     def of(cls, store: MemStore) -> Stager:
-        """The job's stager in this process, using ``store``'s current settings."""
+        """The job's stager in this process, using ``store``'s current settings. For a closed store (a
+        background save still running after ``close()``) a stager of its own, kept by nothing."""
         key = str(store.layout.job_dir)
         with cls._instances_lock:
+            if store.closed:
+                return cls(store)
             st = cls._instances.get(key)
             if st is None:
                 st = cls._instances[key] = cls(store)
             st.store = store
-            store.on_close(st.reclaim_slots)
+            if store not in st._users:
+                st._users.add(store)
+                store.on_close(functools.partial(st._store_closed, store))
             return st
 
     def __init__(self, store: MemStore) -> None:
         self.store = store
         self.order = SaveOrder.of(str(store.layout.job_dir))
+        self._users: weakref.WeakSet[MemStore] = weakref.WeakSet()  # the open stores that used it
         self._lock = threading.Lock()
         self._d2h: DeviceToHost | None = None
         self._reservation: Reservation | None = None
         self._reserve_lock = threading.Lock()  # not _lock: stage() holds that while it swaps reservations
+
+    def _store_closed(self, store: MemStore) -> None:
+        """``store`` is closing: recycle the slots of failed saves, and once no open store of the job uses
+        this stager, release it (the reservations of ``store`` were stopped by its ``close()``)."""
+        self.reclaim_slots()
+        key = str(store.layout.job_dir)
+        with Stager._instances_lock:
+            self._users.discard(store)
+            if self._users:
+                return
+            if Stager._instances.get(key) is self:
+                del Stager._instances[key]
+        with self._reserve_lock:
+            self._reservation = None
+        self._d2h = None
 
     def stage(
         self, state_dict: dict[str, Any], check_space: Callable[[int, int], None]
@@ -175,9 +202,8 @@ class Stager:
             (src[i], dst[i], files[placements[i].bin]) for i, t in enumerate(src) if t.device.type == "cuda"
         ]
         if gpu:
-            if self._d2h is None:
-                self._d2h = DeviceToHost()
-            self._d2h.copy(gpu)
+            d2h = self._d2h = self._d2h or DeviceToHost()  # one read: close() may drop it meanwhile
+            d2h.copy(gpu)
         by_bin: dict[int, list[int]] = {}
         for i, t in enumerate(src):
             if t.device.type != "cuda":
@@ -218,7 +244,10 @@ class Stager:
         Allocation begins once ``ready()`` (this save is past the point where other ranks allocate its
         files: a reservation must not take the memory a slower rank still needs for this save). One
         reservation per job in this process: a new one stops the one before. With ``gpu`` (the GPU of the
-        save's tensors), the files are also page-locked for that GPU."""
+        save's tensors), the files are also page-locked for that GPU. None for a closed store: its
+        ``close()`` stopped its reservations already, and would not stop this one."""
+        if self.store.closed:
+            return
         try:
             held = len(committed(self.store.layout)) + len(self._active_slots()) + int(unstaged)
             if held > self.store.keep_in_memory:

@@ -6,6 +6,7 @@ import gc
 import os
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -117,3 +118,41 @@ def test_close_gives_back_the_staged_files_of_a_failed_async_save(store):
     store.close()
     assert _staging(store) == []
     assert list(store.layout.checkpoints_dir.iterdir()) == []
+
+
+def _async_save(store: MemStore, cid: str, v: float) -> None:
+    writer = MemoryStorageWriter(store)
+    dcp.async_save(_state(v), checkpoint_id=cid, storage_writer=writer, no_dist=True).result(timeout=30)
+
+
+def test_a_closed_store_and_what_its_saves_staged_with_are_released(shm_dir):
+    """A process that opens and closes many stores (a notebook, an evaluation loop over jobs) must not
+    keep each closed store, with what staging its async saves held (GPU bounce buffers), for its life.
+    A store of the same job opened later saves as before."""
+    closed = []
+    for job in ("job-a", "job-b", "job-a"):
+        s = MemStore(root=shm_dir, job_id=job, io_threads=1)
+        _async_save(s, f"{job}-{len(closed)}", 1.0)
+        s.close()
+        closed.append(weakref.ref(s))
+        del s
+    gc.collect()
+    assert [ref() for ref in closed] == [None] * 3, "closed stores are still kept alive"
+    with MemStore(root=shm_dir, job_id="job-a", io_threads=1) as s:
+        assert s.list_checkpoints() == ["job-a-0", "job-a-2"]
+        assert torch.equal(_load(s, "job-a-2")["w"], torch.full((1000,), 1.0))
+
+
+def test_closing_one_store_of_a_job_leaves_another_open_one_saving(shm_dir):
+    """Two stores of one job open in a process share its staging: closing one must not break the other's
+    async saves, nor their order."""
+    first = MemStore(root=shm_dir, job_id="job", io_threads=1)
+    second = MemStore(root=shm_dir, job_id="job", io_threads=1)
+    _async_save(first, "a", 1.0)
+    _async_save(second, "b", 2.0)
+    first.close()
+    _async_save(second, "c", 3.0)
+    assert second.list_checkpoints() == ["b", "c"]
+    assert torch.equal(_load(second, "c")["w"], torch.full((1000,), 3.0))
+    assert _staging(second) == []
+    second.close()
