@@ -189,14 +189,17 @@ class _MappingCache:
                 return cached
             if cached is not None:
                 self._forget(cached)
-        if st.st_size == 0:
-            path = os.readlink(f"/proc/self/fd/{fd}")
+        try:
+            if st.st_size == 0:
+                raise ValueError(f"cannot map {os.readlink(f'/proc/self/fd/{fd}')}: the file is empty")
+            # torch maps a duplicate of fd; where mapping fails (ENOMEM), fd is still ours to close
+            storage = torch.UntypedStorage._new_shared_fd_cpu(fd, st.st_size)
+            mf = MappedFile(key=key, fd=fd, size=st.st_size, storage=storage)
+            if populate:
+                mf.populate()
+        except BaseException:
             os.close(fd)
-            raise ValueError(f"cannot map {path}: the file is empty")
-        storage = torch.UntypedStorage._new_shared_fd_cpu(fd, st.st_size)
-        mf = MappedFile(key=key, fd=fd, size=st.st_size, storage=storage)
-        if populate:
-            mf.populate()
+            raise
         with self._lock:
             self._by_key[key] = mf
             self._by_address[mf.address] = mf
@@ -218,22 +221,23 @@ class _MappingCache:
             storage = t.untyped_storage()
         except RuntimeError:
             return None
+        # under the lock from look-up to adoption: two threads adopting the same storage would each keep
+        # a descriptor of the file, and the one not kept in the cache would never be closed
         with self._lock:
             mf = self._by_address.get(storage.data_ptr())
-        if mf is not None or not storage.is_shared():
-            return mf
-        try:
-            fd, size = storage._share_fd_cpu_()
-        except RuntimeError:
-            return None
-        st = os.fstat(fd)
-        if st.st_size != size:
-            return None
-        mf = MappedFile(key=(st.st_dev, st.st_ino), fd=os.dup(fd), size=size, storage=storage)
-        with self._lock:
+            if mf is not None or not storage.is_shared():
+                return mf
+            try:
+                fd, size = storage._share_fd_cpu_()
+            except RuntimeError:
+                return None
+            st = os.fstat(fd)
+            if st.st_size != size:
+                return None
+            mf = MappedFile(key=(st.st_dev, st.st_ino), fd=os.dup(fd), size=size, storage=storage)
             self._by_key.setdefault(mf.key, mf)  # an own mapping of the same file stays the one reused
             self._by_address[mf.address] = mf
-        return mf
+            return mf
 
     def is_mapped(self, key: tuple[int, int]) -> bool:
         with self._lock:
