@@ -483,9 +483,10 @@ class MemStore(PersistingStore, ReplicatingStore):
     def _trim_pools(self) -> None:
         """Free the memory of pooled shard files beyond those the next saves reuse (``max_in_flight`` x
         ``io_threads`` per rank, and as many files that saves staged and did not keep: ``FilePool.trim``):
-        eviction and deletion move a checkpoint's files into the pools. The pools
-        of ranks with no file in the newest checkpoint on this node are emptied: no save of theirs
-        comes to reuse them (a job restarted with fewer ranks, or with other ranks on this node)."""
+        eviction and deletion move a checkpoint's files into the pools. The pools of ranks with no file
+        in the newest checkpoint on this node are emptied, unless a live process stages that rank's saves
+        here (DCP gave the rank no value to write: its staged files serve its next save): no save of
+        theirs comes to reuse them (a job restarted with fewer ranks, or with other ranks on this node)."""
         newest = catalog.committed(self.layout)[-1:]
         # None: no checkpoint to tell (or it was evicted meanwhile), every rank keeps its files
         saving = (
@@ -495,8 +496,8 @@ class MemStore(PersistingStore, ReplicatingStore):
             for e in os.scandir(self.layout.pools_dir):
                 if e.name.startswith("rank") and e.name[4:].isdigit():
                     rank = int(e.name[4:])
-                    keep = self.max_in_flight * self.io_threads if saving is None or rank in saving else 0
-                    FilePool(self.layout, rank).trim(keep=keep)
+                    used = saving is None or rank in saving or catalog.pool_in_use(self.layout, rank)
+                    FilePool(self.layout, rank).trim(keep=self.max_in_flight * self.io_threads if used else 0)
 
     def check_space(self, needed: int, rank: int) -> None:
         """Raise InsufficientSpaceError unless ``needed`` bytes fit in free space plus rank ``rank``'s pool

@@ -29,7 +29,7 @@ from dcp_memstore.dcp.save_order import SaveOrder, Ticket, never_started_hint, w
 from dcp_memstore.errors import StagingTimeoutError
 from dcp_memstore.memstore import MemStore
 from dcp_memstore.store import liveness
-from dcp_memstore.store.catalog import claim_owner, committed, recycle
+from dcp_memstore.store.catalog import claim_owner, committed, recycle, use_pool
 from dcp_memstore.store.device_copy import DeviceToHost
 from dcp_memstore.store.faults import crash_point
 from dcp_memstore.store.layout import shard_name, slot_name
@@ -129,6 +129,7 @@ class Stager:
                     slot.mkdir(parents=True)  # a tmpfs full before the files were allocated
                     crash_point("stage-slot", rank)
                     claim_owner(self.store.layout, slot)
+                    use_pool(self.store.layout, rank)  # its pool serves this process's next save
                 claims = pool.claims(file_sizes)
                 claimed = run_parallel(  # a new file's page faults are taken in parallel
                     lambda b: claims.acquire(b, slot / shard_name(rank, b)),

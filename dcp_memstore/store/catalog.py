@@ -584,6 +584,25 @@ def claim_owner(layout: StoreLayout, directory: Path) -> None:
     write_record(directory / OWNER, _owner(layout))
 
 
+def use_pool(layout: StoreLayout, rank: int) -> None:
+    """Record this process as the one staging rank ``rank``'s saves on this node (``pool_in_use``), unless
+    it is already. Nothing where the store was deleted (its directories are not made again)."""
+    directory = layout.pool_dir(rank)
+    owner = _safe_read(directory / OWNER)
+    if owner is not None and owner.get("lock") == liveness.own_token(layout):
+        return
+    with contextlib.suppress(FileNotFoundError):
+        directory.mkdir(exist_ok=True)
+        claim_owner(layout, directory)
+
+
+def pool_in_use(layout: StoreLayout, rank: int) -> bool:
+    """Whether a live process stages rank ``rank``'s saves on this node (``use_pool``): its next save
+    reuses the rank's pool, even where the rank writes no file into the checkpoints (DCP gave it no value
+    to write, and its pool holds the files it staged into, see ``FilePool.release``)."""
+    return _maker_alive(layout, layout.pool_dir(rank))
+
+
 def _maker_alive(layout: StoreLayout, directory: Path) -> bool:
     """Whether the process that made ``directory`` (its owner record, else the liveness token in its name:
     it is made before the record is written) still runs."""

@@ -4,6 +4,7 @@ whole (DDP): its checkpoints take its size once, and steady-state saves make no 
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -125,9 +126,9 @@ def test_async_saves_then_load(mp: MultiProc, executor: str, plan_caching: bool,
 REPLICATED_SAVES = 7
 
 
-def replicated_state(step: int) -> dict:
+def replicated_state(step: int, layers: int = 8) -> dict:
     """A DDP trainer's state: the same values on every rank, of sizes that no two ranks' files split alike."""
-    return {f"layer{i}": make_tensor(step * 100 + i, ((i + 1) * 4096,), torch.float32) for i in range(8)}
+    return {f"layer{i}": make_tensor(step * 100 + i, ((i + 1) * 4096,), torch.float32) for i in range(layers)}
 
 
 def _shard_files(job_dir: str) -> dict[int, int]:
@@ -140,16 +141,32 @@ def _shard_files(job_dir: str) -> dict[int, int]:
     }
 
 
-def async_saves_replicated(rank: int, world: int, root: str) -> dict:
+class _Lines(logging.Handler):
+    """Collects the messages of the loggers it is added to."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def async_saves_replicated(rank: int, world: int, root: str, layers: int) -> dict:
     """Async-save a state every rank holds whole; after each save, rank 0 notes the bytes of the newest
-    checkpoint's shard files and the shard files of the job. Then load the kept checkpoints bit-exact."""
+    checkpoint's shard files and the shard files of the job. Then load the kept checkpoints bit-exact.
+    Each rank also returns the debug line its stager logged for each save (which files it reused)."""
     import torch.distributed as dist
 
+    stager_log = logging.getLogger("dcp_memstore.dcp.stager")
+    stager_log.setLevel(logging.DEBUG)
+    stager_log.addHandler(stagings := _Lines())
     store = MemStore(root, "job", keep_in_memory=KEEP, io_threads=2)
     writer = MemoryStorageWriter(store)
     checkpoint_bytes, files = [], []
     for step in range(1, REPLICATED_SAVES + 1):
-        fut = dcp.async_save(replicated_state(step), checkpoint_id=f"step-{step}", storage_writer=writer)
+        state = replicated_state(step, layers)
+        fut = dcp.async_save(state, checkpoint_id=f"step-{step}", storage_writer=writer)
         fut.result(timeout=120)
         dist.barrier()
         newest = store.layout.checkpoint_dir(f"step-{step}")
@@ -158,21 +175,23 @@ def async_saves_replicated(rank: int, world: int, root: str) -> dict:
         dist.barrier()  # rank 0 looked before the next save
     reader = MemoryStorageReader(store)
     for step in range(REPLICATED_SAVES - KEEP + 1, REPLICATED_SAVES + 1):
-        target = blank_like(replicated_state(step))
+        target = blank_like(replicated_state(step, layers))
         dcp.load(target, checkpoint_id=f"step-{step}", storage_reader=reader)
-        assert_bit_equal(target, replicated_state(step), f"step-{step} rank {rank}")
+        assert_bit_equal(target, replicated_state(step, layers), f"step-{step} rank {rank}")
     store.close()
-    return {"checkpoint_bytes": checkpoint_bytes, "files": files}
+    return {"checkpoint_bytes": checkpoint_bytes, "files": files, "stagings": stagings.lines}
 
 
-def test_async_saves_of_a_state_every_rank_holds(mp: MultiProc) -> None:
+@pytest.mark.parametrize("layers", [8, 1], ids=["both-ranks-write", "one-rank-writes"])
+def test_async_saves_of_a_state_every_rank_holds(mp: MultiProc, layers: int) -> None:
     """DCP writes each value that every rank holds from one rank only, but the stager copies the whole
     state dict into each rank's files. A checkpoint must still take the state's size once (with two ranks,
     not twice: a staged file the rank writes little of is not kept in it), and once the job holds its
     checkpoints, saves reuse the files they had (the pool keeps the staged files as well as the
-    checkpoints' own)."""
-    results = mp.run(async_saves_replicated, 2, str(mp.root))
-    state_bytes = sum(t.numel() * t.element_size() for t in replicated_state(0).values())
+    checkpoints' own), also on a rank that DCP gives no value to write (a single value), which has no
+    file in any checkpoint: allocating its staging files anew at every save would hold training up."""
+    results = mp.run(async_saves_replicated, 2, str(mp.root), layers)
+    state_bytes = sum(t.numel() * t.element_size() for t in replicated_state(0, layers).values())
     ranks0 = results[0]
     assert all(b < 1.3 * state_bytes for b in ranks0["checkpoint_bytes"]), (
         f"checkpoints take {ranks0['checkpoint_bytes']} bytes of shard files for a state of {state_bytes}"
@@ -180,3 +199,6 @@ def test_async_saves_of_a_state_every_rank_holds(mp: MultiProc) -> None:
     steady = ranks0["files"][KEEP + 1 :]
     made = [sorted(set(f) - set(steady[0])) for f in steady]
     assert not any(made), f"steady-state saves made new shard files (inodes per save): {made}"
+    for rank, result in enumerate(results):  # files a save makes and drops again are in no snapshot above
+        new = [line for line in result["stagings"][KEEP + 1 :] if not line.endswith(", 0 new")]
+        assert not new, f"rank {rank}'s steady-state saves staged into new files: {new}"
