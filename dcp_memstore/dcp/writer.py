@@ -57,8 +57,11 @@ log = logging.getLogger(__name__)
 _begun: weakref.WeakValueDictionary[tuple[str, str], MemoryStorageWriter] = weakref.WeakValueDictionary()
 _begun_lock = threading.Lock()
 _DCP_SAVE_FILE = state_dict_saver.__file__  # dcp.save and async_save's background save run in there
-# thread ident -> the writer whose save the thread works for now (staging, or DCP's save): _saving_elsewhere
-_thread_writer: dict[int, weakref.ref[MemoryStorageWriter]] = {}
+# thread -> the writer whose save the thread works for now (staging, or DCP's save): _saving_elsewhere. By
+# the thread object, held weakly: an entry goes with its thread (a process runs a thread per async save)
+_thread_writer: weakref.WeakKeyDictionary[threading.Thread, weakref.ref[MemoryStorageWriter]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _releases_slot_on_error(method: F) -> F:
@@ -334,14 +337,14 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         if thread is None or thread is threading.current_thread() or not thread.is_alive():
             return False
         # no lock: the caller may hold _begun_lock, and one dict lookup is atomic
-        works_for = _thread_writer.get(thread.ident)
+        works_for = _thread_writer.get(thread)
         if works_for is None or works_for() is not self:
             return False  # that thread has gone on to another save (still inside DCP: its frames cannot tell)
         return runs_code_of(thread, _DCP_SAVE_FILE)
 
     def _works_in_this_thread(self) -> None:
         """Note that this thread works for this writer's save now (staging it, or running DCP's save)."""
-        _thread_writer[threading.get_ident()] = weakref.ref(self)  # one dict store: atomic
+        _thread_writer[threading.current_thread()] = weakref.ref(self)  # one dict store: atomic
 
     def _being_saved(self, by: str) -> str:
         return (

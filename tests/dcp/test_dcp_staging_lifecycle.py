@@ -14,6 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 
 from dcp_memstore import MemoryStorageReader, MemoryStorageWriter, MemStore
+from dcp_memstore.dcp import writer as writer_module
 
 
 def _state(v: float) -> dict:
@@ -156,3 +157,30 @@ def test_closing_one_store_of_a_job_leaves_another_open_one_saving(shm_dir):
     assert torch.equal(_load(second, "c")["w"], torch.full((1000,), 3.0))
     assert _staging(second) == []
     second.close()
+
+
+def test_what_a_save_notes_of_its_thread_goes_with_the_thread(store):
+    """The writer notes which save each thread works for (to tell a save running now from an earlier
+    failed one). A process runs a thread per async save, so a note must go with its thread, not stay for
+    the life of the process. The threads here live at once: an ended thread's id is reused by the next."""
+    notes = len(writer_module._thread_writer)
+    saved, leave = threading.Barrier(7), threading.Event()
+    turn = threading.Lock()
+
+    def save(i: int) -> None:
+        with turn:
+            writer = MemoryStorageWriter(store)
+            dcp.save(_state(float(i)), checkpoint_id=f"s{i}", storage_writer=writer, no_dist=True)
+        saved.wait(60)
+        leave.wait(60)
+
+    threads = [threading.Thread(target=save, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    saved.wait(60)
+    leave.set()
+    for t in threads:
+        t.join()
+    del threads, t
+    gc.collect()
+    assert len(writer_module._thread_writer) == notes, "ended threads are still noted"
