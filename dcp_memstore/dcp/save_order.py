@@ -140,8 +140,9 @@ class SaveOrder:
         with self._lock:
             return self._sent and all(t.answered() for t in self._tickets.values() if t.sent)
 
-    def begin(self, seq: int | None, timeout_s: float) -> None:
-        """Bind ticket ``seq`` to this thread and wait until every earlier save has ended here.
+    def begin(self, seq: int | None, timeout_s: float, api: SaveApi) -> None:
+        """Bind ticket ``seq`` to this thread and wait until every earlier save has ended here; ``api``
+        (how the user makes saves) is named in the StagingTimeoutError's advice.
 
         ``seq=None`` is a synchronous ``dcp.save``: it waits for every async save staged before it."""
         me = threading.current_thread()
@@ -151,9 +152,9 @@ class SaveOrder:
         def blocking() -> list[Ticket]:
             return [t for t in self.tickets() if t.seq < limit and t.thread is not me and not t.finished()]
 
-        self._wait(blocking, timeout_s, "to finish")
+        self._wait(blocking, timeout_s, "to finish", api)
 
-    def wait_sent_in_order(self, seq: int, timeout_s: float) -> None:
+    def wait_sent_in_order(self, seq: int, timeout_s: float, api: SaveApi) -> None:
         """Before ticket ``seq`` goes to DCP's checkpoint process: wait until every earlier save has been
         answered there, so that process receives the saves in staging order."""
         me = threading.current_thread()
@@ -161,7 +162,7 @@ class SaveOrder:
         def blocking() -> list[Ticket]:
             return [t for t in self.tickets() if t.seq < seq and t.thread is not me and not t.finished()]
 
-        self._wait(blocking, timeout_s, "to be written")
+        self._wait(blocking, timeout_s, "to be written", api)
 
     def cancel(self, seq: int) -> None:
         """Forget a ticket whose save will never run here (no thread ever bound to it)."""
@@ -171,21 +172,35 @@ class SaveOrder:
                 del self._tickets[seq]
 
     @staticmethod
-    def _wait(blocking: Callable[[], list[Ticket]], timeout_s: float, what: str) -> None:
+    def _wait(blocking: Callable[[], list[Ticket]], timeout_s: float, what: str, api: SaveApi) -> None:
         waiting = wait_while(blocking, timeout_s)
         if waiting:
             raise StagingTimeoutError(
                 f"a checkpoint save waited {timeout_s:.0f}s for {len(waiting)} earlier save(s) of this job "
-                f"{what}; {never_started_hint(waiting)}wait on the futures dcp.async_save returns, or raise "
-                "MemStore(stage_timeout_s=...)"
+                f"{what}; {timeout_advice(waiting, api)}"
             )
 
 
-def never_started_hint(waiting: list[Ticket]) -> str:
-    never = [t for t in waiting if t.thread is None]
-    if not never:
-        return ""
-    return f"{len(never)} of them were staged but never started (did that dcp.async_save fail?); "
+@dataclass(frozen=True)
+class SaveApi:
+    """How the user makes the saves that a StagingTimeoutError's advice is about: the call that stages a
+    save, and what to check of earlier ones (where a failed save's error surfaces, what must have run)."""
+
+    call: str
+    check: str
+
+
+DCP_ASYNC_SAVE = SaveApi(
+    call="dcp.async_save",
+    check="check the futures of earlier dcp.async_save calls for an error (fut.result())",
+)
+
+
+def timeout_advice(waiting: list[Ticket], api: SaveApi) -> str:
+    """The end of a StagingTimeoutError's message: what to do about the earlier saves ``waiting``."""
+    never = sum(t.thread is None for t in waiting)
+    hint = f"{never} of them were staged but never started (did that {api.call} fail?); " if never else ""
+    return f"{hint}{api.check}, or raise MemStore(stage_timeout_s=...)"
 
 
 def wait_while(blocking: Callable[[], list[Ticket]], timeout_s: float) -> list[Ticket]:

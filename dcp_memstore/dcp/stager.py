@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from dcp_memstore.dcp import state_tree, storable
-from dcp_memstore.dcp.save_order import SaveOrder, Ticket, never_started_hint, wait_while
+from dcp_memstore.dcp.save_order import SaveApi, SaveOrder, Ticket, timeout_advice, wait_while
 from dcp_memstore.errors import StagingTimeoutError
 from dcp_memstore.memstore import MemStore
 from dcp_memstore.store import liveness
@@ -101,17 +101,18 @@ class Stager:
         self._d2h = None
 
     def stage(
-        self, state_dict: dict[str, Any], check_space: Callable[[int, int], None]
+        self, state_dict: dict[str, Any], check_space: Callable[[int, int], None], api: SaveApi
     ) -> tuple[dict[str, Any], Ticket]:
         """Copy ``state_dict``'s tensors into a new staging slot; return the staged state dict and its ticket.
         ``check_space(needed, rank)`` raises InsufficientSpaceError, before anything is allocated, if the
         slot's ``needed`` bytes do not fit (the writer's check, which may first reclaim failed saves' files).
+        ``api`` (how the user makes saves) is named in the StagingTimeoutError's advice.
 
         Tensors whose bytes are not their value (``storable.problem``) are cloned instead, and the write
         refuses them by DCP's name for them. Values that DCP pickles whole are copied by ``rebuild``."""
         with self._lock:
             rank = current_rank()
-            self._wait_for_room()
+            self._wait_for_room(api)
             self.wait_reserved(stop=True)  # after the wait: it had that time too
             started = time.perf_counter()
             MAPPINGS.prune()
@@ -269,7 +270,7 @@ class Stager:
         except Exception as e:  # noqa: BLE001 - only an optimisation: this save is staged already
             log.info("could not start allocating the next save's files ahead of time: %s", e)
 
-    def _wait_for_room(self) -> None:
+    def _wait_for_room(self, api: SaveApi) -> None:
         """Block until fewer than max_in_flight of this job's slots (this process) are still being written."""
         limit = self.store.max_in_flight
         active = wait_while(
@@ -278,10 +279,7 @@ class Stager:
         if active:
             raise StagingTimeoutError(
                 f"async save waited {self.store.stage_timeout_s:.0f}s for earlier saves to finish writing "
-                f"(still in flight: {[Path(t.slot).name for t in active]}); "
-                f"{never_started_hint(active)}check the "
-                "futures of earlier "
-                "dcp.async_save calls for an error, or raise MemStore(stage_timeout_s=...)"
+                f"(still in flight: {[Path(t.slot).name for t in active]}); {timeout_advice(active, api)}"
             )
 
     def reclaim_slots(self) -> None:

@@ -32,7 +32,7 @@ from torch.multiprocessing import get_sharing_strategy
 
 from dcp_memstore.dcp.metadata_codec import encode_metadata
 from dcp_memstore.dcp.rank_write import RankWrite
-from dcp_memstore.dcp.save_order import SaveOrder
+from dcp_memstore.dcp.save_order import DCP_ASYNC_SAVE, SaveApi, SaveOrder
 from dcp_memstore.dcp.stager import Stager, current_rank
 from dcp_memstore.dcp.storable import check_plan
 from dcp_memstore.errors import CheckpointExistsError, InsufficientSpaceError, StagingTimeoutError
@@ -85,7 +85,13 @@ def _nbytes(item: WriteItem) -> int:
 
 class MemoryStorageWriter(StorageWriter, AsyncStager):
     """Writes DCP checkpoints into a ``MemStore``; pass it as ``storage_writer`` to ``dcp.save`` or
-    ``dcp.async_save`` together with ``checkpoint_id="step-100"`` (a name in the store, not a path)."""
+    ``dcp.async_save`` together with ``checkpoint_id="step-100"`` (a name in the store, not a path).
+
+    ``save_api`` names how the user makes saves, for the advice of a StagingTimeoutError (a save that
+    waited too long for earlier ones); an integration that drives the writer for another API, such as
+    Megatron's save strategy, sets its own."""
+
+    save_api: SaveApi = DCP_ASYNC_SAVE
 
     def __init__(self, store: MemStore) -> None:
         if not isinstance(store, MemStore):
@@ -126,7 +132,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         try:
             for seq, _, _ in self._pending:
                 timed_out = self._defer_timeout(
-                    functools.partial(self._order.wait_sent_in_order, seq), timed_out
+                    functools.partial(self._order.wait_sent_in_order, seq, api=self.save_api), timed_out
                 )
                 self._order.bind(seq, sent=True)  # bound to DCP's executor thread that sends this save
         except BaseException:
@@ -157,7 +163,9 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             self.store.check_open()
             started = time.time()  # saves of this process that began before have ended or are running
             staged, ticket = Stager.of(self.store).stage(
-                state_dict, lambda needed, rank: check_space_reclaiming(self.store, needed, rank, started)
+                state_dict,
+                lambda needed, rank: check_space_reclaiming(self.store, needed, rank, started),
+                self.save_api,
             )
         except Exception as e:
             if not other_ranks_wait() or self._pending or self._stage_error is not None:
@@ -210,7 +218,8 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                 failed, cid = failed or e, None
             # Wait for earlier saves of this job in this process before touching any per-save state.
             seq = ticket[0] if ticket else None
-            failed = self._defer_timeout(functools.partial(self._order.begin, seq), failed)
+            begin = functools.partial(self._order.begin, seq, api=self.save_api)
+            failed = self._defer_timeout(begin, failed)
         except BaseException:
             self._current = ticket
             self._release_slot()

@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.utils import _DistWrapper
 
+from dcp_memstore.dcp.save_order import SaveApi
 from dcp_memstore.dcp.writer import MemoryStorageWriter
 from dcp_memstore.megatron.checkpoint_dir import (
     BACKEND,
@@ -64,6 +65,14 @@ from dcp_memstore.store.records import read_record, write_atomic, write_record
 log = logging.getLogger(__name__)
 RESULTS_RECORD = "megatron-results-r{rank}.msgpack"  # in the store's checkpoint directory, until finalize
 WRITER_SUFFIX = ".writer"  # next to the results record: the liveness token of the process writing this rank
+# Named by a StagingTimeoutError (a save waited too long for earlier ones): a Megatron user's earlier saves
+# are AsyncRequests, whose errors surface when they are finalized.
+MEGATRON_SAVE = SaveApi(
+    call="dist_checkpointing.save",
+    check="finalize the AsyncRequests of earlier dist_checkpointing.save calls "
+    "(AsyncCallsQueue.maybe_finalize_async_calls, which raises a failed save's error) and check that each "
+    "was scheduled (AsyncCallsQueue.schedule_async_request) or run (AsyncRequest.execute_sync)",
+)
 
 
 class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
@@ -96,6 +105,7 @@ class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
             sharded_state_dict, keep_only_main_replica=True
         )
         writer = MemoryStorageWriter(self.store)
+        writer.save_api = MEGATRON_SAVE
         staged = _stage(writer, flat)
         dw = _DistWrapper(None, True, 0)
         record = self.store.layout.checkpoint_dir(cid) / RESULTS_RECORD.format(rank=dw.rank)
