@@ -12,7 +12,10 @@ them as follows.
 2. ``AsyncRequest.async_fn`` (Megatron's async worker: a forked process with ``AsyncCallsQueue``, a
    persistent worker process, or inline with ``execute_sync``): this rank's write. Staged items are only
    checksummed and their files renamed into the checkpoint. The write results go to a small msgpack
-   record in the checkpoint's directory in the store, since the worker may be another process.
+   record in the checkpoint's directory in the store, since the worker may be another process. The record
+   is named for this attempt at the checkpoint id: on a node other than the coordinator's, the directory
+   an earlier, unfinished attempt left (its finalize step never ran) is not discarded, and its records
+   must not pass for this attempt's.
 3. The finalize function (the trainer, every rank, after every rank's worker is done): the results are
    gathered; the coordinator writes ``metadata.json`` (the config Megatron writes again afterwards) and
    ``dcp_memstore.json`` into ``checkpoint_dir``, then the manifest and the COMMITTED marker (the
@@ -31,6 +34,7 @@ import functools
 import logging
 import os
 import threading
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +67,8 @@ from dcp_memstore.store.manifest import ShardLocation
 from dcp_memstore.store.records import read_record, write_atomic, write_record
 
 log = logging.getLogger(__name__)
-RESULTS_RECORD = "megatron-results-r{rank}.msgpack"  # in the store's checkpoint directory, until finalize
+# in the store's checkpoint directory, until finalize: a rank's results of one attempt at the checkpoint
+RESULTS_RECORD = "megatron-results-r{rank}-{attempt}.msgpack"
 WRITER_SUFFIX = ".writer"  # next to the results record: the liveness token of the process writing this rank
 # Named by a StagingTimeoutError (a save waited too long for earlier ones): a Megatron user's earlier saves
 # are AsyncRequests, whose errors surface when they are finalized.
@@ -108,7 +113,8 @@ class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
         writer.save_api = MEGATRON_SAVE
         staged = _stage(writer, flat)
         dw = _DistWrapper(None, True, 0)
-        record = self.store.layout.checkpoint_dir(cid) / RESULTS_RECORD.format(rank=dw.rank)
+        attempt = uuid.uuid4().hex[:12]
+        record = self.store.layout.checkpoint_dir(cid) / RESULTS_RECORD.format(rank=dw.rank, attempt=attempt)
         holder = _SaveThread(writer, cid, record)
         try:
             planner = MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False)
@@ -117,6 +123,7 @@ class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
         except BaseException:
             holder.release()
             raise
+        _discard_earlier_attempts(record, dw.rank)  # no earlier attempt writes now: reset waited for it
         holder.watch()
         finalize = functools.partial(
             self._finalize, writer, metadata, dw, holder, record, checkpoint_dir, cid
@@ -248,6 +255,18 @@ def _mark_writer(layout: StoreLayout, record: Path) -> None:
         log.warning("could not record which process writes %s: %s", record, e)
 
 
+def _discard_earlier_attempts(record: Path, rank: int) -> None:
+    """Delete the results records and writer markers that earlier attempts at this checkpoint id left for
+    ``rank`` next to ``record``: attempts whose finalize step never ran (Megatron's queue closed with
+    ``abort=True``, say) on a node where nothing discarded their directory (the coordinator discards it on
+    its own node only). Left there, they would be committed and replicated with this attempt's files."""
+    earlier = RESULTS_RECORD.format(rank=rank, attempt="*")
+    for pattern in (earlier, Path(earlier).with_suffix(WRITER_SUFFIX).name):
+        for path in record.parent.glob(pattern):
+            if path.stem != record.stem:
+                path.unlink(missing_ok=True)
+
+
 def _writer_died(layout: StoreLayout, record: Path) -> bool:
     """Whether the process that ``_mark_writer`` named for ``record`` has ended (False until one is named)."""
     try:
@@ -319,8 +338,7 @@ class _SaveThread:
             delay = min(delay * 2, 0.02)
 
     def watch(self) -> None:
-        """The planning is done (the records of an earlier attempt at this id are gone): end once this
-        save's record appears or its writer has died."""
+        """The planning is done: end once this save's record appears or its writer has died."""
         self._watching.set()
 
     def release(self) -> None:

@@ -52,7 +52,7 @@ from dcp_memstore.megatron import (  # noqa: E402
     checkpoint_id_for,
 )
 from dcp_memstore.megatron.checkpoint_dir import resolve_checkpoint_id, write_pointer  # noqa: E402
-from dcp_memstore.megatron.save import RESULTS_RECORD, _write_rank  # noqa: E402
+from dcp_memstore.megatron.save import _write_rank  # noqa: E402
 from tests.megatron.cuda_shim import shim_cuda_for_cpu  # noqa: E402
 from tests.multiproc.mp_harness import (  # noqa: E402
     JOB_ID,
@@ -173,7 +173,7 @@ def megatron_job(rank: int, world: int, root: str, ckpts: str) -> dict[str, Any]
     out["staged_in_trainer"] = sorted(os.listdir(store.layout.staging_dir))
     clobber(values)
     queue.schedule_async_request(request)
-    record = store.layout.checkpoint_dir(ASYNC) / RESULTS_RECORD.format(rank=rank)
+    record = Path(request.async_fn_args[3])  # where this rank's worker leaves its results
     deadline = time.monotonic() + 60
     while not record.exists() and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -63,15 +63,21 @@ def events(log: str) -> list[dict]:
 
 
 def launch(
-    cluster: Cluster, nodes: list[int], args: list, log_dir: Path, nproc: int = 1, env: dict | None = None
+    cluster: Cluster,
+    nodes: list[int],
+    args: list,
+    log_dir: Path,
+    nproc: int = 1,
+    env: dict | None = None,
+    script: Path = WORKER,
 ) -> list:
-    """torchrun on ``nodes`` of the cluster (a job of len(nodes) nodes, the first one hosting the
-    rendezvous); node i logs to ``log_dir/node<i>.log``; ``env``: more environment by node."""
+    """torchrun of ``script`` on ``nodes`` of the cluster (a job of len(nodes) nodes, the first one hosting
+    the rendezvous); node i logs to ``log_dir/node<i>.log``; ``env``: more environment by node."""
     port = cluster.node(nodes[0]).free_port()
     procs = []
     for job_rank, i in enumerate(nodes):
         node = cluster.node(i)
-        argv = torchrun_argv(job_rank, len(nodes), nproc, WORKER, args, cluster.node(nodes[0]).addr, port)
+        argv = torchrun_argv(job_rank, len(nodes), nproc, script, args, cluster.node(nodes[0]).addr, port)
         with open(log_dir / f"node{i}.log", "wb") as log:
             extra = {"PYTHONPATH": str(REPO), "DCP_MEMSTORE_JOB_ID": JOB, **(env or {}).get(i, {})}
             procs.append(node.popen(argv, env=node.env(extra), stdout=log, stderr=subprocess.STDOUT))
