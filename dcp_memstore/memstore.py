@@ -273,8 +273,9 @@ class MemStore(PersistingStore, ReplicatingStore):
         cleared = catalog.clear_abandoned(self.layout, keep_prepared=True)
         if cleared:
             log.info("cleared uncommitted leftovers of dead saves: %s", cleared)
+        self._registration: Path | None = None  # of this store's target (``target_users``)
         if self.target is not None:
-            target_users.register(self.layout, target_key(self.target.url))
+            self._registration = target_users.register(self.layout, target_key(self.target.url))
             if adopted := adopt_unnamed_holds(self.layout, self.target.url):
                 log.info("owed to %s, as an earlier version held them: %s", self.target.url, adopted)
         if owed := self._owed(binding=False):
@@ -611,8 +612,8 @@ class MemStore(PersistingStore, ReplicatingStore):
             if self._persister is not None:
                 self._persister.release(timeout)
                 self._persister = None
-            if self.target is not None and not self._is_copy:
-                target_users.unregister(self.layout, target_key(self.target.url))
+            if self._registration is not None and not self._is_copy:
+                target_users.unregister(self._registration)
             for hook in self._close_hooks:
                 try:
                     hook()

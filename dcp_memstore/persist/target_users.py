@@ -28,19 +28,21 @@ _open: dict[Path, int] = {}  # this process's registrations -> how many of its s
 _guard = threading.Lock()
 
 
-def register(layout: StoreLayout, key: str) -> None:
-    """Record that this process has a store of ``layout``'s job open with the target named ``key``."""
+def register(layout: StoreLayout, key: str) -> Path:
+    """Record that this process has a store of ``layout``'s job open with the target named ``key``; the
+    registration, for ``unregister``."""
     path = layout.job_dir / _DIR / key / liveness.own_token(layout)
     with _guard:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.touch()
         _open[path] = _open.get(path, 0) + 1
+    return path
 
 
-def unregister(layout: StoreLayout, key: str) -> None:
-    """A store that ``register`` recorded was closed: once this process has none open with ``key``, its
-    holds for that target bind other stores no more."""
-    path = layout.job_dir / _DIR / key / liveness.own_token(layout)
+def unregister(path: Path) -> None:
+    """A store that ``register`` recorded as ``path`` was closed: once this process has none open with
+    that target, its holds for it bind other stores no more. (Nothing is made again where the store's
+    directory was removed meanwhile.)"""
     with _guard:
         left = _open.pop(path, 0) - 1
         if left > 0:
