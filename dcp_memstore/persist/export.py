@@ -21,6 +21,7 @@ from pathlib import Path
 import xxhash
 
 from dcp_memstore.persist.framing import write_framed, write_in_pieces
+from dcp_memstore.persist.open_uploads import OpenUploads
 from dcp_memstore.persist.target import PersistTarget
 from dcp_memstore.store.checksum import memory_view
 from dcp_memstore.store.manifest import ManifestItem, dtype_from_name
@@ -59,16 +60,18 @@ def upload_file(
     file: str,
     items: list[tuple[int, ManifestItem]],
     written: Callable[[], None] = lambda: None,
+    uploads: OpenUploads | None = None,
 ) -> list[PersistedItem]:
     """Upload local ``file`` (whose items, with their manifest positions, are ``items``) and return where
     each item landed; ``written`` is called once every item is sent, before the remote file is complete
-    (a crash point). Raises whatever the file system raises, and ValueError for an item that is not in
-    the file or fails its checksum; the remote file is then as it was (``open_whole``)."""
+    (a crash point); ``uploads`` records a multipart upload while it is open (``open_whole``). Raises
+    whatever the file system raises, and ValueError for an item that is not in the file or fails its
+    checksum; the remote file is then as it was (``open_whole``)."""
     mf = MAPPINGS.map_path(local_dir / file)
     path = target.path(checkpoint_id, remote_name(file))
     placed: list[PersistedItem] = []
     pos = 0
-    with target.open_whole(path, BLOCK_SIZE) as out:
+    with target.open_whole(path, BLOCK_SIZE, uploads) as out:
         for index, item in sorted(items, key=lambda x: x[1].location.offset):
             loc = item.location
             if loc.offset + loc.length > mf.size:

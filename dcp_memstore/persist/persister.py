@@ -31,6 +31,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from dcp_memstore.persist.export import upload_file
+from dcp_memstore.persist.open_uploads import OpenUploads
 from dcp_memstore.persist.progress import Progress
 from dcp_memstore.persist.publish import publish, read_parts, remote_commit, write_part
 from dcp_memstore.persist.target import PersistTarget, describe, is_permanent
@@ -117,6 +118,7 @@ class Persister:
         self._check_at: dict[str, float] = {}  # checkpoint -> next look at the remote side
         self._checked: set[tuple] = set()  # saves whose id was checked against the remote side
         self._manifests: dict[tuple, Manifest] = {}  # manifests of saves being uploaded
+        self._uploads = OpenUploads(layout, target)
         self._thread = threading.Thread(target=self._run, name="dcp_memstore_persist", daemon=True)
         self._thread.start()
 
@@ -126,6 +128,7 @@ class Persister:
 
     def _run(self) -> None:
         yield_cpu_to_training()
+        self._abort_orphans()  # those of this node's processes that were killed (a restarted job)
         while not self._stop.is_set():
             pending: set[tuple] = set()
             for rec in catalog.committed(self.layout):
@@ -268,7 +271,9 @@ class Persister:
     def _clear_leftovers(self, cid: str) -> None:
         """``cid`` is published: every file of it is in place, so the temporary files of uploads killed
         while writing into its directory are leftovers (``PersistTarget.clear_leftovers``); removed, and
-        logged. A failure is logged: it leaves them, and the checkpoint is persisted all the same."""
+        logged. A failure is logged: it leaves them, and the checkpoint is persisted all the same. Also
+        aborts the multipart uploads of this node's processes killed meanwhile (``_abort_orphans``)."""
+        self._abort_orphans()
         try:
             removed = self.target.clear_leftovers(cid)
         except OSError as e:
@@ -279,6 +284,18 @@ class Persister:
         if removed:
             log.info("checkpoint %r: removed what killed uploads left in the target: %s", cid, removed)
 
+    def _abort_orphans(self) -> None:
+        """Abort the multipart uploads that this node's killed processes left open (and those whose abort
+        failed), and log them (``OpenUploads.abort_orphans``: never a live process's upload). Never
+        raises: uploads go on whatever this clean-up meets (tmpfs records it cannot read)."""
+        try:
+            aborted = self._uploads.abort_orphans()
+        except Exception:  # noqa: BLE001 - a clean-up; the next start or publication tries again
+            log.exception("cannot abort the multipart uploads that killed uploads left open")
+            return
+        if aborted:
+            log.info("aborted the multipart uploads that killed uploads left open in the target: %s", aborted)
+
     def _upload(
         self, rec: catalog.CommitRecord, progress: Progress, local_dir, file: str, items, rank: int
     ) -> None:
@@ -288,7 +305,9 @@ class Persister:
             if not mine or file in progress.done_files():
                 return
             written = functools.partial(crash_point, "persist-write", rank)
-            placed = upload_file(self.target, rec.checkpoint_id, local_dir, file, items, written)
+            placed = upload_file(
+                self.target, rec.checkpoint_id, local_dir, file, items, written, self._uploads
+            )
             self._require_current(rec)  # its files may have been reused meanwhile
             write_part(self.target, rec, file, placed)
             progress.mark_done(file)

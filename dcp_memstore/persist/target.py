@@ -15,14 +15,17 @@ import os
 import re
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import fsspec
 from fsspec.core import url_to_fs
 
 from dcp_memstore.store.records import atomic_file, clear_temporaries
+
+if TYPE_CHECKING:
+    from dcp_memstore.persist.open_uploads import OpenUploads
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +129,9 @@ class PersistTarget:
             self.fs.pipe_file(path, data)
 
     @contextlib.contextmanager
-    def open_whole(self, path: str, block_size: int) -> Iterator[BinaryIO]:
+    def open_whole(
+        self, path: str, block_size: int, uploads: OpenUploads | None = None
+    ) -> Iterator[BinaryIO]:
         """A writer for a large file that appears at ``path`` whole, durably, when the block ends without
         an error, and never in part: a failed or killed upload leaves the file that was there before
         as it was. So two nodes uploading the same file (one that took it over, and its writer's node
@@ -134,7 +139,9 @@ class PersistTarget:
         under a hidden temporary name beside it (left behind only by a killed process, until
         ``clear_leftovers``), fsynced, renamed over it (``records.atomic_file``), then the directory
         fsynced; object stores: one PUT or multipart upload, aborted on an error (completing it
-        included) instead of completed with what was written so far (``_abandon``)."""
+        included) instead of completed with what was written so far (``_abandon``). With ``uploads``, a
+        multipart upload is recorded there from before its first part until it is completed or aborted,
+        so that one this process leaves open (killed, or its abort failed) is aborted later."""
         if self.is_local:
             directory = Path(path).parent
             directory.mkdir(parents=True, exist_ok=True)
@@ -143,18 +150,25 @@ class PersistTarget:
             sync_directory(directory)
             return
         out = self.fs.open(path, "wb", block_size=block_size)
+        records: list[Path] = []
+        if uploads is not None:
+            _when_named(out, lambda upload_id: records.append(uploads.opened(path, upload_id)))
         try:
             yield out
             out.close()  # completes the upload
         except BaseException:
-            _abandon(out, path)
+            aborted = _abandon(out, path)
+            for r in records:
+                (uploads.closed if aborted else uploads.given_up)(r)
             raise
+        for r in records:
+            uploads.closed(r)
 
     def clear_leftovers(self, checkpoint_id: str) -> list[str]:
         """Remove from checkpoint ``checkpoint_id``'s directory (and our records in it) the temporary
         files that uploads killed while writing left (``records.clear_temporaries``: never one a live
-        writer holds locked); their paths. Only local file systems have them: an object store keeps no
-        part of an upload that did not complete (``open_whole``)."""
+        writer holds locked); their paths. Only local file systems have them: on an object store, the
+        multipart uploads that killed processes left open are aborted (``OpenUploads``)."""
         if not self.is_local:
             return []
         removed = []
@@ -204,22 +218,45 @@ class PersistTarget:
         return f"PersistTarget({self.url!r})"
 
 
-def _abandon(out: Any, path: str) -> None:
+def _when_named(out: Any, named: Callable[[str], None]) -> None:
+    """Call ``named(upload_id)`` as soon as the object store names the multipart upload of writer ``out``,
+    before its first part is sent (s3fs: the writer's ``mpu``, made by ``_initiate_upload``, which
+    ``flush`` calls right before it sends the first part). If ``named`` raises, the writer is closed
+    with the error and ``_abandon`` aborts the upload. Writers of other file systems are left as they
+    are."""
+    initiate = getattr(out, "_initiate_upload", None)
+    if initiate is None or not hasattr(out, "mpu"):
+        return
+
+    def initiate_and_name() -> None:
+        initiate()
+        if out.mpu:  # None for a small file's single PUT
+            named(out.mpu["UploadId"])
+
+    out._initiate_upload = initiate_and_name
+
+
+def _abandon(out: Any, path: str) -> bool:
     """Give up the object store writer ``out`` of ``path`` after an error: mark it closed first, so that
     neither a later close nor its finalizer completes the upload with what was written so far (a torn
     object replacing a whole one), then abort its multipart upload (s3fs, gcsfs: ``discard``), also when
-    completing it was what failed. An abort that fails is logged, not raised: the upload's own error is
-    the one that tells what went wrong; its parts stay until the bucket's lifecycle rules remove them."""
+    completing it was what failed; whether it was aborted. An abort that fails is logged, not raised:
+    the upload's own error is the one that tells what went wrong."""
     out.closed = True
     discard = getattr(out, "discard", None)
     if discard is None:
-        return
+        return True
     try:
         discard()
     except Exception as e:  # noqa: BLE001 - the caller raises the upload's own error
         log.warning(
-            "could not abort the failed upload of %s (%s): its parts stay in the bucket", path, describe(e)
+            "could not abort the failed upload of %s (%s): its parts stay in the bucket until it is "
+            "aborted (the persister tries again later)",
+            path,
+            describe(e),
         )
+        return False
+    return True
 
 
 def sync_directory(directory: Path) -> None:

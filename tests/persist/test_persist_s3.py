@@ -313,13 +313,23 @@ sys.path.insert(0, {repo!r})
 from dcp_memstore import MemStore
 from tests.dcp.dcp_state import save
 from tests.persist.test_persist_s3 import _state
-store = MemStore(root={root!r}, job_id="job", io_threads=2, persist_to={url!r},
+store = MemStore(root={root!r}, job_id="job", io_threads=1, persist_to={url!r},
                  storage_options=json.loads(os.environ["OPTS"]), persist_every=1, persist_on_close=False)
-save(store, _state(5, mib=2), "c")
+save(store, _state(5, mib={mib}), "c")
 print("SAVED", flush=True)
 store.wait_persisted("c", timeout=120)
 print("NOT-KILLED", flush=True)
 """
+
+
+def _run_killed_saver(shm_dir, server, url: str, point: str, mib: int) -> None:
+    """Save a checkpoint of ``mib`` MiB in a new process that persists it (one file at a time, the shard
+    file first) and is SIGKILLed at its first pass of crash point ``point`` (rank 0)."""
+    env = dict(os.environ, OPTS=json.dumps(server.storage_options()), DCP_MEMSTORE_CRASH_AT=f"{point}:0:1")
+    code = textwrap.dedent(_CRASHING_SAVER.format(repo=str(REPO), root=str(shm_dir), url=url, mib=mib))
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+    assert res.returncode == -signal.SIGKILL, res.stdout + res.stderr[-3000:]
+    assert "SAVED" in res.stdout and "NOT-KILLED" not in res.stdout
 
 
 @pytest.mark.parametrize("point", ["persist-upload", "persist-publish"])
@@ -327,11 +337,7 @@ def test_kill_during_upload_or_publication_never_lists_a_partial_checkpoint(
     shm_dir, s3_bucket, point, fresh_root
 ):
     server, url = s3_bucket
-    env = dict(os.environ, OPTS=json.dumps(server.storage_options()), DCP_MEMSTORE_CRASH_AT=f"{point}:0:1")
-    code = textwrap.dedent(_CRASHING_SAVER.format(repo=str(REPO), root=str(shm_dir), url=url))
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
-    assert res.returncode == -signal.SIGKILL, res.stdout + res.stderr[-3000:]
-    assert "SAVED" in res.stdout and "NOT-KILLED" not in res.stdout
+    _run_killed_saver(shm_dir, server, url, point, mib=2)
     keys = _keys(server, url)
     assert f"c/{COMMITTED}" not in keys
     assert ("c/" + STOCK_METADATA in keys) == (point == "persist-publish")
@@ -347,6 +353,21 @@ def test_kill_during_upload_or_publication_never_lists_a_partial_checkpoint(
         assert store.latest_checkpoint() == "c"
     with _store(fresh_root, url, server) as fresh:
         assert_tree_equal(_state(5, mib=2), load(fresh, blank_like(_state(5, mib=2)), "c"))
+
+
+def test_a_restart_aborts_the_multipart_upload_of_a_process_killed_mid_file(shm_dir, s3_bucket):
+    """The persister is SIGKILLed while uploading a 40 MiB file: two 16 MiB parts are in the bucket, in a
+    multipart upload nothing completes or aborts (its parts are billed until a lifecycle rule removes
+    them). The restarted job uploads the file again under a new upload, and aborts the killed one: no
+    multipart upload is left open. (Before, the killed upload stayed open for good.)"""
+    server, url = s3_bucket
+    bucket, fs = url.removeprefix("s3://"), server.filesystem()
+    _run_killed_saver(shm_dir, server, url, "persist-write", mib=40)
+    (killed,) = fs.list_multipart_uploads(bucket)
+    assert killed["Key"] == "c/__0_0.distcp", killed
+    with _store(shm_dir, url, server) as store:
+        store.wait_persisted("c", timeout=120)
+    assert fs.list_multipart_uploads(bucket) == []
 
 
 def test_a_prefix_with_glob_characters_lists_its_checkpoints(shm_dir, s3_bucket, fresh_root):

@@ -22,12 +22,13 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_memstore import MemStore
 from dcp_memstore.persist.export import BLOCK_SIZE, remote_name, upload_file
+from dcp_memstore.persist.open_uploads import OpenUploads
 from dcp_memstore.persist.target import COMMITTED, PARTS, STOCK_METADATA, PersistTarget
 from dcp_memstore.persist.target import MANIFEST as REMOTE_MANIFEST
-from dcp_memstore.store.layout import MANIFEST
+from dcp_memstore.store.layout import MANIFEST, StoreLayout
 from dcp_memstore.store.manifest import Manifest
 from tests.dcp.dcp_state import assert_tree_equal, blank_like, load, save
-from tests.persist.test_persist_s3 import _state
+from tests.persist.test_persist_s3 import _run_killed_saver, _state
 
 
 @pytest.fixture(params=["dir", "s3"])
@@ -133,7 +134,8 @@ def test_an_upload_whose_abort_fails_never_completes_with_what_was_written(shm_d
     too (a mock: one refused request, which the real server does not produce on demand). The writer is
     then dropped: it must not complete the upload with the parts sent so far when it is collected
     (before, fsspec's finalizer closed it, and the published object was replaced by a torn one). The
-    upload's own error is what the caller sees."""
+    upload's own error is what the caller sees. The next clean-up aborts the upload (before, its parts
+    stayed in the bucket for good)."""
     server, url = s3_bucket
     state = {"w": torch.randn(10 << 20), "v": torch.randn(1 << 10)}  # 40 MiB: multipart parts
     with MemStore(
@@ -159,14 +161,19 @@ def test_an_upload_whose_abort_fails_never_completes_with_what_was_written(shm_d
     def refused(*args, **kwargs):
         raise ConnectionError("abort refused (mock)")
 
+    uploads = OpenUploads(store.layout, t)
     fs.abort_mpu = refused
     try:
         with pytest.raises(ValueError, match="shorter than its manifest"):
-            upload_file(t, "s1", copy, file, items)
+            upload_file(t, "s1", copy, file, items, uploads=uploads)
         gc.collect()
     finally:
         del fs.abort_mpu
     assert _remote_files(t, "s1") == before
+    bucket = url.removeprefix("s3://")
+    assert len(fs.list_multipart_uploads(bucket)) == 1
+    assert uploads.abort_orphans() == [t.path("s1", remote_name(file))]  # its process lives, but gave it up
+    assert fs.list_multipart_uploads(bucket) == []
 
 
 def test_an_upload_that_fails_to_complete_is_aborted(shm_dir, s3_bucket):
@@ -198,3 +205,41 @@ def test_an_upload_that_fails_to_complete_is_aborted(shm_dir, s3_bucket):
     bucket = url.removeprefix("s3://")
     assert fs.list_multipart_uploads(bucket) == []
     assert not fs.exists(t.path("s1", remote_name(file)))
+
+
+def test_a_restart_aborts_its_killed_upload_but_never_another_nodes_live_upload_of_the_file(
+    shm_dir, other_root, s3_bucket
+):
+    """Node B's persister is SIGKILLed in the middle of ``c/__0_0.distcp``: its multipart upload stays
+    open. Node A holds a copy of the checkpoint (a take-over) and uploads the same file: its multipart
+    upload is open, parts sent, when B's job restarts and publishes the checkpoint, and when A's own
+    node clears what its killed processes left. B aborts its killed upload only; A's live upload is
+    left alone, and completes. (Before, B's killed upload stayed open for good; aborting every upload
+    of the file would have failed A's.)"""
+    server, url = s3_bucket
+    bucket, fs = url.removeprefix("s3://"), server.filesystem()
+    _run_killed_saver(other_root, server, url, "persist-write", mib=40)
+    (killed,) = fs.list_multipart_uploads(bucket)
+    a = StoreLayout(shm_dir, "job")
+    local = shutil.copytree(other_root / "job" / "checkpoints" / "c", a.checkpoint_dir("c"))
+    file = "__0_0.shard"
+    items = [
+        (i, it) for i, it in enumerate(Manifest.read(local / MANIFEST).items) if it.location.file == file
+    ]
+    t = PersistTarget(url, server.storage_options())
+
+    def while_a_uploads() -> None:
+        (live,) = [u for u in fs.list_multipart_uploads(bucket) if u["UploadId"] != killed["UploadId"]]
+        with _store(other_root, (url, server.storage_options())) as b:
+            b.wait_persisted("c", timeout=120)
+        assert OpenUploads(a, t).abort_orphans() == []  # A's process lives
+        assert fs.list_multipart_uploads(bucket) == [live]
+
+    upload_file(t, "c", local, file, items, while_a_uploads, OpenUploads(a, t))
+    assert fs.list_multipart_uploads(bucket) == []
+    fresh = Path(f"{other_root}-fresh")
+    try:
+        with _store(fresh, (url, server.storage_options())) as store:
+            assert_tree_equal(_state(5, mib=40), load(store, blank_like(_state(5, mib=40)), "c"))
+    finally:
+        subprocess.run(["rm", "-rf", str(fresh)], check=True)
