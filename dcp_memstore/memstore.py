@@ -579,14 +579,18 @@ class MemStore(PersistingStore, ReplicatingStore):
         """Remove a committed checkpoint from this node's store and free its memory, except the shard files
         the pools keep for the next saves (a persisted copy stays where it is). Also one whose commit marker
         is corrupt: the way to free that one's memory. ``CheckpointInUseError`` while a load (in any
-        process on this node) reads it."""
+        process on this node) reads it. One owed to ``persist_to`` and not published there yet: in a job on
+        one node, what its upload left there is removed in the background (``_drop_upload``)."""
         self.check_open()
         cid = validate_name(checkpoint_id)
         if not (self.layout.checkpoint_dir(cid) / COMMITTED).is_file():
             self.require_checkpoint(cid)  # FileNotFoundError naming the checkpoints that exist
+        unpublished = self._unpublished(cid)
         catalog.delete(self.layout, cid)
         catalog.drop_copies(self.layout, cid)
         self._trim_pools()
+        if unpublished:
+            self._drop_upload(cid)
 
     # -- lifecycle -------------------------------------------------------------------------------------
 

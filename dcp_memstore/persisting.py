@@ -22,6 +22,7 @@ from dcp_memstore.persist.publish import read_parts, remote_commit
 from dcp_memstore.persist.remote_read import RemoteCheckpoint
 from dcp_memstore.persist.target import COMMITTED, describe
 from dcp_memstore.replication.cluster_read import ClusterCheckpoint
+from dcp_memstore.replication.service import job_node_info
 from dcp_memstore.status import CheckpointStatus
 from dcp_memstore.store import catalog
 from dcp_memstore.store.ids import validate_name
@@ -70,6 +71,30 @@ class PersistingStore:
             return
         if self._persister is not None:
             self._persister.wake()
+
+    def _unpublished(self, cid: str) -> bool:
+        """Whether ``cid`` (in memory) is owed to this store's target and not published there yet: what
+        its upload wrote there so far would stay behind if it were deleted now (see ``_drop_upload``)."""
+        if self.target is None:
+            return False
+        progress = Progress(self.layout, cid, self.target.url)
+        return progress.owed() and not progress.persisted()
+
+    def _drop_upload(self, cid: str) -> None:
+        """``cid``, owed and not published (``_unpublished``), was deleted from memory: in a job on one
+        node, have the persister remove what its upload left in the target (``persist/dropped.py``).
+        On several nodes another node may still upload into that directory: it stays, and a WARNING
+        says so."""
+        node = job_node_info()
+        if self._persister is not None and (node is None or not node.multi_node):
+            self._persister.drop(cid)
+            return
+        log.warning(
+            "checkpoint %r was deleted before its upload was published: what was uploaded of it stays in "
+            "%s (never listed nor loaded); remove it by hand once no node of the job uploads it",
+            cid,
+            self.target.url_of(cid),
+        )
 
     def _persist_status(self, cid: str, cluster: Callable[[], ClusterCheckpoint | None]) -> CheckpointStatus:
         """The upload state of ``cid`` (a valid name), with ``in_memory``; ``cluster`` gives the checkpoint

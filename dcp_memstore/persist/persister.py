@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from dcp_memstore.persist.dropped import forget_lock, remove_partial, writing_into
 from dcp_memstore.persist.export import upload_file
 from dcp_memstore.persist.open_uploads import OpenUploads
 from dcp_memstore.persist.progress import Progress
@@ -108,6 +109,13 @@ class Persister:
             log.warning(
                 "persister still uploading to %s at close; it stops with the process", self.target.url
             )
+        if self._dropped:
+            log.warning(
+                "closing before what the uploads of deleted checkpoints %s left in %s was removed: it "
+                "stays there (never listed nor loaded); remove those directories by hand",
+                sorted(self._dropped),
+                self.target.url,
+            )
 
     def __init__(self, layout: StoreLayout, target: PersistTarget, io_threads: int, keep: int) -> None:
         self.layout, self.target, self.io_threads, self.keep = layout, target, io_threads, keep
@@ -119,6 +127,8 @@ class Persister:
         self._checked: set[tuple] = set()  # saves whose id was checked against the remote side
         self._manifests: dict[tuple, Manifest] = {}  # manifests of saves being uploaded
         self._uploads = OpenUploads(layout, target)
+        self._dropped: dict[str, tuple[float, float]] = {}  # deleted unpublished -> (next try, backoff)
+        self._dropped_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="dcp_memstore_persist", daemon=True)
         self._thread.start()
 
@@ -126,10 +136,50 @@ class Persister:
         """Look for owed checkpoints now instead of at the next poll."""
         self._wake.set()
 
+    def drop(self, checkpoint_id: str) -> None:
+        """``checkpoint_id`` was deleted from memory before it was published, in a job on one node: remove
+        what its upload left in the target, in the background, once no process of this node writes into
+        it (``dropped.remove_partial``)."""
+        with self._dropped_lock:
+            self._dropped.setdefault(checkpoint_id, (0.0, BACKOFF_START_S))
+        self.wake()
+
+    def _remove_dropped(self) -> None:
+        """Remove the partial directories of the checkpoints ``drop`` was told of, as far as they are free
+        of writers now; one the target does not let remove is tried again later, with backoff."""
+        now = time.monotonic()
+        with self._dropped_lock:
+            due = [cid for cid, (at, _) in self._dropped.items() if at <= now]
+        for cid in due:
+            try:
+                removed = remove_partial(self.layout, self.target, cid)
+            except Exception as e:  # noqa: BLE001 - e.g. the target unreachable: tried again
+                with self._dropped_lock:
+                    backoff = self._dropped[cid][1]
+                    self._dropped[cid] = (now + backoff, min(backoff * 2, BACKOFF_MAX_S))
+                log.warning(
+                    "checkpoint %r, deleted before it was published: cannot remove what its upload left "
+                    "in %s (%s); retrying in %.1f s",
+                    cid, self.target.url_of(cid), describe(e), backoff,
+                )  # fmt: skip
+                continue
+            if removed is None:
+                continue  # a process of this node is still writing into it
+            with self._dropped_lock:
+                self._dropped.pop(cid, None)
+            if removed:
+                log.info(
+                    "checkpoint %r was deleted before it was published: removed what its upload left in %s",
+                    cid,
+                    self.target.url_of(cid),
+                )
+                self._abort_orphans()  # those of processes of this node killed while uploading it
+
     def _run(self) -> None:
         yield_cpu_to_training()
         self._abort_orphans()  # those of this node's processes that were killed (a restarted job)
         while not self._stop.is_set():
+            self._remove_dropped()
             pending: set[tuple] = set()
             for rec in catalog.committed(self.layout):
                 if self._stop.is_set():
@@ -144,6 +194,7 @@ class Persister:
                 self._forget_all_but(pending)
             self._wake.wait(POLL_S)
             self._wake.clear()
+        self._remove_dropped()  # a checkpoint deleted right before the store was closed
 
     def _forget_all_but(self, pending: set[tuple]) -> None:
         """Keep what this process remembers (manifests, checks, retry times) only for saves it still has to
@@ -233,7 +284,7 @@ class Persister:
         if now < self._check_at.get(cid, 0.0):
             return
         self._check_at[cid] = now + PUBLISH_POLL_S
-        with progress.exclusive("publish") as mine:
+        with progress.exclusive("publish") as mine, writing_into(self.layout, self.target, cid):
             if not mine or progress.persisted():
                 return  # another local process is publishing
             if remote_commit(self.target, cid) is None:
@@ -245,6 +296,7 @@ class Persister:
             self._clear_leftovers(cid)
             progress.mark_persisted()
         progress.report(rank, "persisted")
+        forget_lock(self.layout, self.target, cid)
         catalog.evict(self.layout, self.keep)  # it may have been held past its turn
 
     def _publish(
@@ -305,11 +357,13 @@ class Persister:
             if not mine or file in progress.done_files():
                 return
             written = functools.partial(crash_point, "persist-write", rank)
-            placed = upload_file(
-                self.target, rec.checkpoint_id, local_dir, file, items, written, self._uploads
-            )
-            self._require_current(rec)  # its files may have been reused meanwhile
-            write_part(self.target, rec, file, placed)
+            with writing_into(self.layout, self.target, rec.checkpoint_id):
+                self._require_current(rec)  # not deleted (its directory removed) while this waited
+                placed = upload_file(
+                    self.target, rec.checkpoint_id, local_dir, file, items, written, self._uploads
+                )
+                self._require_current(rec)  # its files may have been reused meanwhile
+                write_part(self.target, rec, file, placed)
             progress.mark_done(file)
         crash_point("persist-upload", rank)
 

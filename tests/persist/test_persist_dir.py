@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_memstore import MemStore, PersistError
 from dcp_memstore.persist.export import remote_name
@@ -796,3 +798,32 @@ def test_a_checkpoint_an_earlier_version_held_for_its_upload_is_uploaded_and_rel
         assert store.wait_persisted("c1", timeout=60).persisted
         save(store, _state(2), "c2")
         assert store.list_checkpoints() == ["c2"]
+
+
+def test_deleting_a_checkpoint_whose_upload_failed_removes_what_it_left_in_the_target(shm_dir, bucket_dir):
+    """The upload of "c" fails for good once one of its files is in the target (a directory stands where
+    its objects file must go). That partial directory is never taken for a checkpoint, by stock DCP nor
+    by a store. Deleting "c" from memory removes it from the target; deleting a published checkpoint
+    from memory leaves its persisted copy. (Before, the partial directory stayed for good.)"""
+    with _pstore(shm_dir, bucket_dir, persist_on_close=False) as store:
+        save(store, _state(1), "p")
+        store.persist("p")
+        store.wait_persisted("p", timeout=60)
+        save(store, _state(2), "c")
+        (bucket_dir / "c" / remote_name("__0_objects.bin") / "blocker").mkdir(parents=True)
+        store.persist("c")
+        with pytest.raises(PersistError, match="IsADirectoryError"):
+            store.wait_persisted("c", timeout=60)
+        assert (bucket_dir / "c" / "__0_0.distcp").is_file()
+        with pytest.raises(CheckpointException, match=r"No such file .*/c/\.metadata"):  # not a checkpoint
+            dcp.load(
+                blank_like(_state(2)), storage_reader=dcp.FileSystemReader(bucket_dir / "c"), no_dist=True
+            )
+        store.delete("c")
+        store.delete("p")
+        deadline = time.monotonic() + 30
+        while (bucket_dir / "c").exists():
+            assert time.monotonic() < deadline, sorted(p.name for p in (bucket_dir / "c").rglob("*"))
+            time.sleep(0.05)
+    assert (bucket_dir / "p" / COMMITTED).is_file()
+    assert sorted(p.name for p in bucket_dir.iterdir()) == ["p"]

@@ -370,6 +370,55 @@ def test_a_restart_aborts_the_multipart_upload_of_a_process_killed_mid_file(shm_
     assert fs.list_multipart_uploads(bucket) == []
 
 
+_UPLOADER = """
+import json, os, sys, time
+sys.path.insert(0, {repo!r})
+from dcp_memstore import MemStore
+from tests.dcp.dcp_state import save
+from tests.persist.test_persist_s3 import _state
+store = MemStore(root={root!r}, job_id="job", io_threads=1, persist_to={url!r},
+                 storage_options=json.loads(os.environ["OPTS"]), persist_every=1, persist_on_close=False)
+save(store, _state(5, mib=40), "c")
+time.sleep(600)  # uploads until killed
+"""
+
+
+def test_a_checkpoint_deleted_while_another_process_uploads_it_leaves_nothing_in_the_bucket(
+    shm_dir, s3_bucket
+):
+    """Another process of the node is in the middle of uploading "c" (40 MiB) and waits for a frozen
+    server when this process deletes "c" from memory. Once the server answers, that upload lands its
+    file; only then is what the upload left removed, that file included: the bucket holds nothing of
+    "c". (Before, it stayed for good, never listed; a removal that did not wait for the upload under
+    way would leave the file that landed after it.)"""
+    server, url = s3_bucket
+    bucket, fs = url.removeprefix("s3://"), server.filesystem()
+    env = dict(os.environ, OPTS=json.dumps(server.storage_options()))
+    env.pop("DCP_MEMSTORE_CRASH_AT", None)
+    code = textwrap.dedent(_UPLOADER.format(repo=str(REPO), root=str(shm_dir), url=url))
+    uploader = subprocess.Popen([sys.executable, "-c", code], env=env)
+    try:
+        _wait_for(lambda: fs.list_multipart_uploads(bucket) != [], 120, "the upload to start")
+        server.pause()
+        try:
+            store = _store(shm_dir, url, server)  # its check of the target waits for the server in vain
+            store.delete("c")
+            time.sleep(1.0)  # the removal must wait for the upload under way
+        finally:
+            server.resume()
+        with store:
+
+            def nothing_left() -> bool:  # the upload ended (no multipart upload open), and nothing stays
+                return fs.list_multipart_uploads(bucket) == [] and _keys(server, url) == []
+
+            _wait_for(nothing_left, 60, "the end of the upload and the removal of what it left")
+            time.sleep(1.0)
+            assert nothing_left(), _keys(server, url)
+    finally:
+        uploader.kill()
+        uploader.wait()
+
+
 def test_a_prefix_with_glob_characters_lists_its_checkpoints(shm_dir, s3_bucket, fresh_root):
     """Checkpoints persisted under a prefix with a glob character in it are listed by a fresh node."""
     server, url = s3_bucket
