@@ -30,7 +30,7 @@ from dcp_memstore.store.ids import validate_name
 
 ENV_BIND = "DCP_MEMSTORE_BIND"
 ANNOUNCE_GRACE_S = 60.0  # how long after this rank's start the others' servers are waited for
-_POLL_S = (0.1, 1.0)  # first and longest pause between two looks: every rank polls the job's store
+_POLL_S = (0.02, 1.0)  # first and longest pause between two looks: every rank polls the job's store
 
 
 def node_name(node: int) -> str:

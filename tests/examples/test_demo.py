@@ -34,7 +34,7 @@ def test_a_job_that_does_not_end_in_time_leaves_every_process_stack_in_its_log(t
     worker is stuck in), no process of the job is left, and no stack file either."""
     sys.path.insert(0, str(EXAMPLES))
     try:
-        from demo import RunResult, alive, torchrun_job
+        from demo import RunResult, torchrun_job, wait_gone
     finally:
         sys.path.remove(str(EXAMPLES))
     worker = tmp_path / "stuck_worker.py"
@@ -61,5 +61,5 @@ def test_a_job_that_does_not_end_in_time_leaves_every_process_stack_in_its_log(t
         assert f"--- pid {pid}: " in log, log
     assert log.count("in waits_for_ever") == 2, log  # each worker's stack, not interleaved
     assert "torch/distributed/run.py" in log, log  # torchrun's own stack
-    assert not alive(res.worker_pids)
+    assert wait_gone(res.worker_pids) == []  # SIGKILLed: gone once the kernel has torn them down
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stuck.log", "stuck_worker.py"]
