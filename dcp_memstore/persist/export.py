@@ -18,12 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import xxhash
-
 from dcp_memstore.persist.framing import write_framed, write_in_pieces
 from dcp_memstore.persist.open_uploads import OpenUploads
 from dcp_memstore.persist.target import PersistTarget
-from dcp_memstore.store.checksum import memory_view
+from dcp_memstore.store.checksum import hasher, memory_view
 from dcp_memstore.store.manifest import ManifestItem, dtype_from_name
 from dcp_memstore.store.mapping import MAPPINGS
 
@@ -77,7 +75,7 @@ def upload_file(
             if loc.offset + loc.length > mf.size:
                 raise ValueError(f"{local_dir / file} is shorter than its manifest says ({item.fqn})")
             data = memory_view(mf.address + loc.offset, loc.length)
-            h = xxhash.xxh3_64()  # the manifest's checksum (store.checksum), of the bytes sent
+            h = hasher()  # the manifest's checksum, of the bytes sent
             if loc.dtype is None:
                 write_in_pieces(out, data, h.update)
                 length, payload = loc.length, 0

@@ -5,6 +5,10 @@ newer one is replicated everywhere, the old one goes."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 
 from tests.multinode.test_mn_replication import (
@@ -22,6 +26,31 @@ from tests.multinode.test_mn_replication import (
 pytestmark = pytest.mark.slow
 
 
+@contextlib.contextmanager
+def _throttled(node) -> Iterator[None]:
+    """``node``'s uplink at 8 Mbit/s for the block: replication slow enough to be cut off midway."""
+    node.run(["tc", "qdisc", "replace", "dev", node.ifname, "root", "tbf", "rate", "8mbit", "burst", "32kbit",
+              "latency", "400ms"], timeout=10, check=True)  # fmt: skip
+    try:
+        yield
+    finally:
+        node.run(["tc", "qdisc", "del", "dev", node.ifname, "root"], timeout=10)
+
+
+def _cut_off_and_kill(cluster, hanging_logs: list[Path]) -> None:
+    """Once each of ``hanging_logs`` says its node's save hangs, take node 1's link down and SIGKILL every
+    process of both nodes (the link comes up again after)."""
+    n0, n1 = cluster.node(0), cluster.node(1)
+    try:
+        for log in hanging_logs:
+            wait_line(log, '"hanging"', TIMEOUT_S)
+        n1.link_down()
+        for n in (n0, n1):
+            n.kill()
+    finally:
+        n1.link_up()
+
+
 def test_a_node_lost_while_the_newest_checkpoint_lacks_its_replicas_resumes_from_the_safe_point(
     cluster2, tmp_path
 ):
@@ -36,18 +65,9 @@ def test_a_node_lost_while_the_newest_checkpoint_lacks_its_replicas_resumes_from
     for i in (0, 1):
         wait_line(tmp_path / f"node{i}.log", '"gate"', TIMEOUT_S)
     step1 = [checkpoint_files(n.root, "step-1") for n in (n0, n1)]
-    n1.run(["tc", "qdisc", "replace", "dev", n1.ifname, "root", "tbf", "rate", "8mbit", "burst", "32kbit",
-            "latency", "400ms"], timeout=10, check=True)  # fmt: skip
-    try:
+    with _throttled(n1):
         (tmp_path / "go").write_text("")
-        for i in (0, 1):
-            wait_line(tmp_path / f"node{i}.log", '"hanging"', TIMEOUT_S)
-        n1.link_down()  # node 1's files of step 2 never complete on node 0
-        for n in (n0, n1):
-            n.kill()
-    finally:
-        n1.link_up()
-        n1.run(["tc", "qdisc", "del", "dev", n1.ifname, "root"], timeout=10)
+        _cut_off_and_kill(cluster2, [tmp_path / f"node{i}.log" for i in (0, 1)])  # step 2 of node 1 half sent
     for p in procs:
         p.wait(10)
     step2_of_node1 = checkpoint_files(n1.root, "step-2")
@@ -86,20 +106,12 @@ def test_replication_holds_of_a_killed_multi_node_run_do_not_pin_checkpoints_on_
     its replication hold on node 0. The job restarts on node 0 alone, where nothing replicates and no
     peer will ever acknowledge step 1: retention evicts it like any other checkpoint beyond
     keep_in_memory instead of keeping it in memory for good."""
-    n0, n1 = cluster2.node(0), cluster2.node(1)
-    n0.run(["tc", "qdisc", "replace", "dev", n0.ifname, "root", "tbf", "rate", "8mbit", "burst", "32kbit",
-            "latency", "400ms"], timeout=10, check=True)  # fmt: skip
-    try:
+    n0 = cluster2.node(0)
+    with _throttled(n0):
         procs = launch(
             cluster2, [0, 1], ["save", "--steps", 1, "--mib", 24, "--hang", "--tmp", tmp_path], tmp_path
         )
-        wait_line(tmp_path / "node0.log", '"hanging"', TIMEOUT_S)
-        n1.link_down()  # node 0's files of step 1 never reach node 1
-        for n in (n0, n1):
-            n.kill()
-    finally:
-        n1.link_up()
-        n0.run(["tc", "qdisc", "del", "dev", n0.ifname, "root"], timeout=10)
+        _cut_off_and_kill(cluster2, [tmp_path / "node0.log"])  # node 0's files of step 1 never reach node 1
     for p in procs:
         p.wait(10)
     step1 = n0.root / JOB / "checkpoints" / "step-1"
