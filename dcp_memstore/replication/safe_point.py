@@ -88,15 +88,16 @@ def is_safe(layout: StoreLayout, rec: catalog.CommitRecord, nnodes: int) -> bool
 def advance(layout: StoreLayout, nnodes: int, keep: int) -> str | None:
     """Move the safe point to the newest checkpoint every node reported replicated, release the holds of
     the older ones, and evict beyond ``keep`` (``keep_in_memory``) what nothing holds. Returns the safe
-    point (None: none yet)."""
-    recs = catalog.committed(layout)
-    safe = next((r for r in reversed(recs) if is_safe(layout, r, nnodes)), None)
-    if safe is not None and _hold(layout, safe):
-        for r in recs:
-            if r.seq >= safe.seq:
-                break
-            for reason in HOLDS:
-                catalog.release(layout, r.checkpoint_id, reason)
+    point (None: none yet). One advance at a time in the job (``catalog.safe_point_lock``)."""
+    with catalog.safe_point_lock(layout):
+        recs = catalog.committed(layout)
+        safe = next((r for r in reversed(recs) if is_safe(layout, r, nnodes)), None)
+        if safe is not None and _hold(layout, safe):
+            for r in recs:
+                if r.seq >= safe.seq:
+                    break
+                for reason in HOLDS:
+                    catalog.release(layout, r.checkpoint_id, reason)
     catalog.evict(layout, keep)
     return None if safe is None else safe.checkpoint_id
 

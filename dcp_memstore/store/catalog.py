@@ -353,6 +353,14 @@ def _retention_lock(layout: StoreLayout, exclusive: bool) -> contextlib.Abstract
     return _flock(layout.retention_lock, exclusive)
 
 
+def safe_point_lock(layout: StoreLayout) -> contextlib.AbstractContextManager[None]:
+    """The job's lock for moving the safe point (``replication.safe_point.advance``): two reports handled
+    at once (the server's threads, this node's replicator, other processes of the node) could otherwise
+    interleave, one releasing the older safe point's hold and the other, which chose it a moment before,
+    placing it again, where nothing would release it."""
+    return _flock(layout.job_dir / "safe-point.lock", exclusive=True)
+
+
 def commit_lock(layout: StoreLayout) -> contextlib.AbstractContextManager[None]:
     """The job's commit lock, held from taking a checkpoint's sequence number (``next_seq``) until its
     COMMITTED marker is written. Two saves committing at once (``dcp.save`` in two threads) would otherwise
