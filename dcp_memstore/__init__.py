@@ -22,6 +22,7 @@ from dcp_memstore.errors import (
 )
 from dcp_memstore.memstore import MemStore
 from dcp_memstore.status import CheckpointStatus
+from dcp_memstore.store.events import Event
 
 __version__ = "0.1.0"
 
@@ -38,6 +39,7 @@ __all__ = [
     "InsufficientSpaceError",
     "PersistError",
     "CheckpointStatus",
+    "Event",
     "StagingTimeoutError",
     "__version__",
 ]

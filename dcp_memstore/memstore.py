@@ -34,9 +34,10 @@ from dcp_memstore.replication.select import TRANSPORTS
 from dcp_memstore.replication.service import ReplicationService
 from dcp_memstore.replication.tcp import TcpTransport
 from dcp_memstore.status import CheckpointStatus
-from dcp_memstore.store import catalog, liveness, space
+from dcp_memstore.store import catalog, events, liveness, space
 from dcp_memstore.store.collective import all_gather_records, dist_active
 from dcp_memstore.store.environment import LOCAL_WORLD_SIZE_MEANING, env_int
+from dcp_memstore.store.events import Event
 from dcp_memstore.store.ids import validate_name
 from dcp_memstore.store.layout import COMMITTED, StoreLayout
 from dcp_memstore.store.mapping import MAPPINGS
@@ -183,6 +184,10 @@ class MemStore(PersistingStore, ReplicatingStore):
             where no RDMA device opens).
         replication_timeout_s: how long a peer may stay silent before a transfer to or from it is given up
             (and retried later). Default 30; ``math.inf``: no limit.
+        on_event: called with an ``Event`` each time a phase of a checkpoint ends (stage, write, commit,
+            replicate, restore, upload, persist; failures too), in the thread that did the work: keep it
+            quick. One that raises is logged, never propagated. Default None: the events are only logged
+            (logger ``dcp_memstore.events``, INFO).
 
     The store object is picklable (DCP's PROCESS executor sends it to its checkpoint process with the
     writer); the persister and replication threads and the peer server stay with the original.
@@ -208,7 +213,12 @@ class MemStore(PersistingStore, ReplicatingStore):
         replication_secret: bytes | str | None = None,
         transport: str = "auto",
         replication_timeout_s: float = 30.0,
+        on_event: Callable[[Event], None] | None = None,
     ) -> None:
+        if on_event is not None and not callable(on_event):
+            raise TypeError(
+                f"on_event must be a callable taking one Event, got {type(on_event).__name__}: {on_event!r}"
+            )
         self.keep_in_memory = _positive_int("keep_in_memory", keep_in_memory)
         self.max_in_flight = _positive_int("max_in_flight", max_in_flight)
         self.io_threads = _positive_int(
@@ -298,6 +308,9 @@ class MemStore(PersistingStore, ReplicatingStore):
         self._single_node = False
         self._is_copy = False  # a copy in DCP's checkpoint process: never starts replication services
         self.replication()
+        self._on_event = on_event
+        if on_event is not None:
+            events.listen(self.layout, on_event)
 
     # -- queries ---------------------------------------------------------------------------------------
 
@@ -618,6 +631,8 @@ class MemStore(PersistingStore, ReplicatingStore):
                 self._persister = None
             if self._registration is not None and not self._is_copy:
                 target_users.unregister(self._registration)
+            if self._on_event is not None:
+                events.unlisten(self.layout, self._on_event)
             for hook in self._close_hooks:
                 try:
                     hook()
@@ -664,6 +679,7 @@ class MemStore(PersistingStore, ReplicatingStore):
         state["_is_copy"] = True
         state["_control_transport"] = None
         state["_close_hooks"] = []  # they tidy up this process's state
+        state["_on_event"] = None  # called in this process only (and it may not pickle)
         return state
 
     def check_open(self) -> None:

@@ -33,7 +33,7 @@ from dcp_memstore.replication.service import ReplicationService, job_node_info
 from dcp_memstore.replication.tcp import TcpTransport
 from dcp_memstore.replication.transport import format_peer
 from dcp_memstore.status import NOT_IN_MEMORY, CheckpointStatus, replication_of
-from dcp_memstore.store import catalog
+from dcp_memstore.store import catalog, events
 from dcp_memstore.store.collective import dist_active
 from dcp_memstore.store.ids import validate_name
 from dcp_memstore.store.layout import MANIFEST, PREPARED
@@ -164,10 +164,9 @@ class ReplicatingStore:
                 self.layout, peers, service.control, cid, record, self.io_threads,
                 functools.partial(progress.request, "owed by another node") if progress else None,
             )  # fmt: skip
-            seconds = time.perf_counter() - start
-            log.info(
-                "restored checkpoint %r on %s from its peers: %d bytes in %.2f s (%.2f GB/s)",
-                cid, peers.name, nbytes, seconds, nbytes / max(seconds, 1e-9) / 1e9,
+            events.emit(
+                self.layout, "restore", cid, peers.node.rank, time.perf_counter() - start,
+                nbytes=nbytes,
             )  # fmt: skip
         except (FileNotFoundError, ConnectionError, TimeoutError, OSError, RuntimeError, ValueError) as e:
             log.warning(
@@ -177,6 +176,10 @@ class ReplicatingStore:
                 "; its upload waits for this node's share" if owe else "",
                 e,
             )
+            events.emit(
+                self.layout, "restore", cid, peers.node.rank, time.perf_counter() - start,
+                ok=False, error=str(e),
+            )  # fmt: skip
 
     def _cluster_copy(self, cid: str) -> ClusterCheckpoint | None:
         """``cid`` as the other nodes' memory holds it (with their upload states towards this store's

@@ -22,7 +22,7 @@ from dcp_memstore.dcp.stager import Stager
 from dcp_memstore.dcp.state_tree import own_copies_in
 from dcp_memstore.dcp.storable import check_tensor
 from dcp_memstore.memstore import MemStore
-from dcp_memstore.store import catalog
+from dcp_memstore.store import catalog, events
 from dcp_memstore.store.checksum import (
     checksum_bytes,
     checksum_memory,
@@ -134,19 +134,15 @@ class RankWrite:
             os.rename(self.slot_files[mf.key], self.dir / names[key])
         if self.slot is not None:  # files this rank's items did not need, or filled too little of
             catalog.recycle(self.store.layout, Path(self.slot), staged=True)
-        if log.isEnabledFor(logging.DEBUG):  # the byte count walks every result: not on every save
-            log.debug(
-                "rank %d wrote checkpoint %r: %d items, %.3f GiB in %.3f s; shard files: %d staged by "
-                "async_save, %d reused, %d new",
-                self.rank,
-                self.checkpoint_id,
-                len(self.results),
-                sum(r.size_in_bytes for r in self.results) / (1 << 30),
-                time.perf_counter() - started,
-                len(staged),
-                sum(self.claimed),
-                len(self.claimed) - sum(self.claimed),
-            )
+        events.emit(
+            self.store.layout, "write", self.checkpoint_id, self.rank, time.perf_counter() - started,
+            nbytes=sum(r.size_in_bytes for r in self.results),
+        )  # fmt: skip
+        reused = sum(self.claimed)
+        log.debug(
+            "rank %d, checkpoint %r: shard files: %d staged by async_save, %d reused, %d new",
+            self.rank, self.checkpoint_id, len(staged), reused, len(self.claimed) - reused,
+        )  # fmt: skip
         return self.results
 
     @staticmethod

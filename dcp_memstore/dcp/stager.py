@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-import time
 import uuid
 import weakref
 from collections.abc import Callable
@@ -101,9 +100,13 @@ class Stager:
         self._d2h = None
 
     def stage(
-        self, state_dict: dict[str, Any], check_space: Callable[[int, int], None], api: SaveApi
-    ) -> tuple[dict[str, Any], Ticket]:
-        """Copy ``state_dict``'s tensors into a new staging slot; return the staged state dict and its ticket.
+        self,
+        state_dict: dict[str, Any],
+        check_space: Callable[[int, int], None],
+        api: SaveApi,
+    ) -> tuple[dict[str, Any], Ticket, int]:
+        """Copy ``state_dict``'s tensors into a new staging slot; return the staged state dict, its ticket
+        and the bytes copied.
         ``check_space(needed, rank)`` raises InsufficientSpaceError, before anything is allocated, if the
         slot's ``needed`` bytes do not fit (the writer's check, which may first reclaim failed saves' files).
         ``api`` (how the user makes saves) is named in the StagingTimeoutError's advice.
@@ -114,7 +117,6 @@ class Stager:
             rank = current_rank()
             self._wait_for_room(api)
             self.wait_reserved(stop=True)  # after the wait: it had that time too
-            started = time.perf_counter()
             MAPPINGS.prune()
             originals = [t for t in state_tree.tensors(state_dict) if storable.problem(t) is None]
             sizes = [t.numel() * t.element_size() for t in originals]
@@ -146,15 +148,9 @@ class Stager:
                 self._copy(originals, views, placements, files)
                 reused = sum(r for _, r in claimed)
                 log.debug(
-                    "rank %d staged %d tensors for async_save, %.3f GiB in %.3f s; "
-                    "shard files: %d reused, %d new",
-                    rank,
-                    len(originals),
-                    sum(sizes) / (1 << 30),
-                    time.perf_counter() - started,
-                    reused,
-                    len(claimed) - reused,
-                )
+                    "rank %d staged %d tensors for async_save; shard files: %d reused, %d new",
+                    rank, len(originals), reused, len(claimed) - reused,
+                )  # fmt: skip
                 gpu = next((t.device for t in originals if t.device.type == "cuda"), None)
                 # every rank has staged once this save's slot is written or given back (after planning)
                 self.reserve_next(rank, file_sizes, gpu, ready=lambda: not slot.exists())
@@ -166,7 +162,7 @@ class Stager:
                         return t.detach().cpu() if t.device.type == "cuda" else t.detach().clone()
                     return v.requires_grad_(True) if t.requires_grad and v.is_floating_point() else v
 
-                return state_tree.rebuild(state_dict, replace), ticket
+                return state_tree.rebuild(state_dict, replace), ticket, sum(sizes)
             except BaseException:
                 self.order.cancel(ticket.seq)
                 recycle(self.store.layout, slot)

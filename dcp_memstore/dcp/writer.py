@@ -37,7 +37,7 @@ from dcp_memstore.dcp.stager import Stager, current_rank
 from dcp_memstore.dcp.storable import check_plan
 from dcp_memstore.errors import CheckpointExistsError, InsufficientSpaceError, StagingTimeoutError
 from dcp_memstore.memstore import MemStore
-from dcp_memstore.store import catalog
+from dcp_memstore.store import catalog, events
 from dcp_memstore.store.catalog import CommitRecord
 from dcp_memstore.store.collective import other_ranks_wait
 from dcp_memstore.store.faults import crash_point
@@ -103,6 +103,9 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         self.rank = 0
         # (ticket seq, slot, (pid, thread) that staged it) of saves staged by this writer, oldest first
         self._pending: deque = deque()
+        # ticket seq -> (rank, seconds, bytes, time) of a staging not yet reported: DCP names the
+        # checkpoint of an ``async_save`` only when its save starts (``reset``), which reports it then
+        self._staged: dict[int, tuple[int, float, int, float]] = {}
         self._current: tuple[int, str | None] | None = None  # this save's (ticket seq, staging slot)
         self._armed = False  # reset() ran for the save in progress
         self._save_started = 0.0
@@ -155,14 +158,17 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
 
     # -- AsyncStager -----------------------------------------------------------------------------------
 
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Copy ``state_dict``'s tensors into tmpfs shard files; training may go on once this returns."""
+    def stage(self, state_dict: dict[str, Any], checkpoint_id: str | None = None) -> dict[str, Any]:
+        """Copy ``state_dict``'s tensors into tmpfs shard files; training may go on once this returns.
+        The ``stage`` event (the time training waited, from this call) is reported with ``checkpoint_id``
+        where the caller knows it (Megatron's strategy), else when DCP starts the save (``reset``)."""
         here = (os.getpid(), threading.get_ident())
         self._works_in_this_thread()
         try:
             self.store.check_open()
             started = time.time()  # saves of this process that began before have ended or are running
-            staged, ticket = Stager.of(self.store).stage(
+            clock = time.perf_counter()
+            staged, ticket, nbytes = Stager.of(self.store).stage(
                 state_dict,
                 lambda needed, rank: check_space_reclaiming(self.store, needed, rank, started),
                 self.save_api,
@@ -186,7 +192,18 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                 "or wait for the previous future"
             )
         self._pending.append((ticket.seq, ticket.slot, here))
+        self._staged[ticket.seq] = (current_rank(), time.perf_counter() - clock, nbytes, time.time())
+        if checkpoint_id is not None:
+            self._report_staging(ticket.seq, checkpoint_id)
         return staged
+
+    def _report_staging(self, seq: int, checkpoint_id: str | None) -> None:
+        """Emit the ``stage`` event of the save staged under ticket ``seq`` (once), as ``checkpoint_id``
+        (None: the save fails before it starts; its staging is not reported)."""
+        staged = self._staged.pop(seq, None)
+        if staged is not None and checkpoint_id is not None:
+            rank, seconds, nbytes, at = staged
+            events.emit(self.store.layout, "stage", checkpoint_id, rank, seconds, nbytes=nbytes, at=at)
 
     def synchronize_staging(self) -> None:
         """Nothing to wait for: ``stage`` returns only once every copy has landed."""
@@ -226,6 +243,8 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             raise
         self._forget_begun()  # its previous save, if it failed before committing
         self._current, self.checkpoint_id, self._armed = ticket, cid, True
+        if ticket is not None:
+            self._report_staging(ticket[0], cid)
         self._deferred_error = failed
         self._save_started = time.time()
         if ticket is not None and ticket[1] is not None:
@@ -377,6 +396,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         assert self.checkpoint_id is not None
+        started = time.perf_counter()
         layout = self.store.layout
         items = [
             ManifestItem(
@@ -408,6 +428,8 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         crash_point("after-commit", self.rank)
         self._forget_begun()
         self.store.commit_everywhere(record)
+        elapsed = time.perf_counter() - started
+        events.emit(layout, "commit", self.checkpoint_id, self.rank, elapsed, nbytes=manifest.nbytes)
         self.store.after_commit()
         catalog.clear_abandoned(layout, before=self._save_started, running=self._running_elsewhere())
 

@@ -111,7 +111,7 @@ class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
         )
         writer = MemoryStorageWriter(self.store)
         writer.save_api = MEGATRON_SAVE
-        staged = _stage(writer, flat)
+        staged = _stage(writer, flat, cid)
         dw = _DistWrapper(None, True, 0)
         attempt = uuid.uuid4().hex[:12]
         record = self.store.layout.checkpoint_dir(cid) / RESULTS_RECORD.format(rank=dw.rank, attempt=attempt)
@@ -171,13 +171,14 @@ class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
         self.saves_committed += 1
 
 
-def _stage(writer: MemoryStorageWriter, flat: dict[str, list[Any]]) -> dict[str, list[Any]]:
+def _stage(writer: MemoryStorageWriter, flat: dict[str, list[Any]], cid: str) -> dict[str, list[Any]]:
     """``flat`` (sharded key -> ShardedTensors/ShardedObjects) with every ShardedTensor replaced by a copy
-    whose data is its staged copy in tmpfs; the caller's ShardedTensors are left as they are."""
+    whose data is its staged copy in tmpfs (for checkpoint ``cid``); the caller's ShardedTensors are left
+    as they are."""
     shards = [
         sh for shs in flat.values() for sh in shs if isinstance(sh, ShardedTensor) and sh.data is not None
     ]
-    staged = writer.stage({"data": [sh.data for sh in shards]}).get("data")
+    staged = writer.stage({"data": [sh.data for sh in shards]}, checkpoint_id=cid).get("data")
     if staged is None:  # staging failed on this rank; the planning (a collective) fails on every rank
         return flat
     copies = {}

@@ -33,10 +33,10 @@ import torch.distributed as dist
 from dcp_memstore.persist.dropped import forget_lock, remove_partial, writing_into
 from dcp_memstore.persist.export import upload_file
 from dcp_memstore.persist.open_uploads import OpenUploads
-from dcp_memstore.persist.progress import Progress
+from dcp_memstore.persist.progress import Progress, is_owed
 from dcp_memstore.persist.publish import publish, read_parts, remote_commit, write_part
 from dcp_memstore.persist.target import PersistTarget, describe, is_permanent
-from dcp_memstore.store import catalog
+from dcp_memstore.store import catalog, events
 from dcp_memstore.store.collective import dist_active
 from dcp_memstore.store.environment import LOCAL_RANK_MEANING, LOCAL_WORLD_SIZE_MEANING, env_int
 from dcp_memstore.store.faults import crash_point
@@ -231,15 +231,21 @@ class Persister:
             if not self._current(rec):  # the records under its id are another save's now, or gone
                 log.info("persisting checkpoint %r stopped: %s", cid, e)
                 return False
+            failed = functools.partial(
+                events.emit, self.layout, "persist", cid, rank, time.time() - started,
+                target=self.target.url_of(cid), ok=False, error=describe(e),
+            )  # fmt: skip
             if is_permanent(e):
                 log.error("persisting checkpoint %r to %s failed: %s", cid, self.target.url, e)
                 progress.report(rank, "failed", describe(e), since=started)
+                failed(retry_s=None)
                 return False
             log.warning(
                 "persisting checkpoint %r to %s: %s; retrying in %.1f s", cid, self.target.url, e, backoff
             )
             progress.report(rank, "retrying", describe(e))
             self._retry_at[cid] = (time.monotonic() + backoff, min(backoff * 2, BACKOFF_MAX_S))
+            failed(retry_s=backoff)
         return progress.owed() and not progress.persisted()
 
     def _advance(self, rec: catalog.CommitRecord, progress: Progress, rank: int) -> None:
@@ -272,12 +278,18 @@ class Persister:
             )
         if todo:
             progress.report(rank, "uploading")
-            run_parallel(
+            start = time.perf_counter()
+            uploaded = run_parallel(
                 lambda f: self._upload(rec, progress, local_dir, f, by_file[f], rank),
                 todo,
                 self.io_threads,
                 pool="persist",
             )
+            if sum(uploaded):
+                events.emit(
+                    self.layout, "upload", cid, rank, time.perf_counter() - start,
+                    nbytes=sum(uploaded), target=self.target.url_of(cid),
+                )  # fmt: skip
         if not progress.done_files() >= share:
             return  # other local processes are still uploading theirs
         now = time.monotonic()
@@ -295,6 +307,10 @@ class Persister:
             self._require_current(rec)
             self._clear_leftovers(cid)
             progress.mark_persisted()
+            events.emit(
+                self.layout, "persist", cid, rank, time.time() - rec.committed_at,
+                nbytes=rec.nbytes, target=self.target.url_of(cid), owed=self._still_owed(),
+            )  # fmt: skip
         progress.report(rank, "persisted")
         forget_lock(self.layout, self.target, cid)
         catalog.evict(self.layout, self.keep)  # it may have been held past its turn
@@ -317,7 +333,6 @@ class Persister:
         if not set(manifest.files) <= set(parts):
             return False  # files of other nodes are not uploaded yet
         publish(self.target, manifest, rec, parts, before_marker=lambda: crash_point("persist-publish", rank))
-        log.info("checkpoint %r persisted to %s", cid, self.target.url_of(cid))
         return True
 
     def _clear_leftovers(self, cid: str) -> None:
@@ -350,12 +365,12 @@ class Persister:
 
     def _upload(
         self, rec: catalog.CommitRecord, progress: Progress, local_dir, file: str, items, rank: int
-    ) -> None:
-        """Upload one file, unless another process is uploading it or already has."""
+    ) -> int:
+        """Upload one file, unless another process is uploading it or already has; the bytes uploaded."""
         yield_cpu_to_training()
         with progress.exclusive(file) as mine:
             if not mine or file in progress.done_files():
-                return
+                return 0
             written = functools.partial(crash_point, "persist-write", rank)
             with writing_into(self.layout, self.target, rec.checkpoint_id):
                 self._require_current(rec)  # not deleted (its directory removed) while this waited
@@ -366,6 +381,12 @@ class Persister:
                 write_part(self.target, rec, file, placed)
             progress.mark_done(file)
         crash_point("persist-upload", rank)
+        return os.path.getsize(local_dir / file)
+
+    def _still_owed(self) -> tuple[str, ...]:
+        """The checkpoints in this node's memory that are still owed to the target (for events)."""
+        ids = (r.checkpoint_id for r in catalog.committed(self.layout))
+        return tuple(cid for cid in ids if is_owed(self.layout, cid, self.target.url))
 
     def _settle_if_published(self, rec: catalog.CommitRecord, progress: Progress) -> None:
         """If ``rec``'s id is already published: the same save -> mark it persisted; another save under the

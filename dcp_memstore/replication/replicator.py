@@ -30,7 +30,7 @@ from dcp_memstore.replication import safe_point
 from dcp_memstore.replication.peers import Peers, node_name
 from dcp_memstore.replication.tcp import TcpTransport
 from dcp_memstore.replication.transport import Transport
-from dcp_memstore.store import catalog
+from dcp_memstore.store import catalog, events
 from dcp_memstore.store.layout import MANIFEST, StoreLayout, file_rank
 from dcp_memstore.store.manifest import Manifest
 from dcp_memstore.store.threads import yield_cpu_to_training
@@ -195,10 +195,12 @@ class Replicator:
             return
         files = node_files(self.layout, cid)
         targets = peers.targets()
+        sent: dict[int, tuple[int, float]] = {}  # target -> bytes sent, seconds spent
         for t in targets:
             if self._stop.is_set() or time.monotonic() < self._retry_at.get(t, (0.0, 0.0))[0]:
                 continue
             mine = sorted(f for f in records.missing(files, t) if peers.pushes(file_rank(f)))
+            nbytes, seconds = 0, 0.0
             for f in mine:
                 start = time.perf_counter()
                 try:
@@ -210,23 +212,29 @@ class Replicator:
                 except Exception as e:  # noqa: BLE001 - any failure: this peer is retried later
                     if not catalog.same_save(self.layout, rec):
                         return
-                    self._failed(records, peers, t, cid, f, e)
+                    seconds += time.perf_counter() - start
+                    self._failed(records, peers, t, cid, f, e, nbytes, seconds)
                     break
                 if not catalog.same_save(self.layout, rec):
                     return
                 records.mark_done(f, to(t))
                 self._retry_at.pop(t, None)
-                seconds = time.perf_counter() - start
-                log.debug(
-                    "replicated %s/%s to %s: %d bytes in %.3f s (%.2f GB/s)",
-                    cid, f, node_name(t), files[f], seconds, files[f] / max(seconds, 1e-9) / 1e9,
-                )  # fmt: skip
+                nbytes, seconds = nbytes + files[f], seconds + time.perf_counter() - start
             else:
                 if mine:
                     records.report(f"{peers.node.rank}-{node_name(t)}", "replicated", target=t)
+                    sent[t] = (nbytes, seconds)
         if records.settle(files, targets, peers.name, rec.committed_at):
             # this report may complete a newer safe point; it may have been kept past its turn for this
             safe_point.advance(self.layout, peers.node.nnodes, self.keep)
+        if sent:
+            ids = (r.checkpoint_id for r in catalog.committed(self.layout))
+            owed = tuple(c for c in ids if ReplicaRecords(self.layout, c).owed())  # for the events
+            for t, (nbytes, seconds) in sent.items():
+                events.emit(
+                    self.layout, "replicate", cid, peers.node.rank, seconds,
+                    nbytes=nbytes, target=node_name(t), owed=owed,
+                )  # fmt: skip
 
     def _report(self, peers: Peers, rec: catalog.CommitRecord) -> None:
         """Tell every other node that hasn't acknowledged it yet that this node's files of save ``rec``
@@ -255,12 +263,28 @@ class Replicator:
             with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
                 reports.mark_done(node_name(n), "told")
 
-    def _failed(self, records: ReplicaRecords, peers: Peers, t: int, cid: str, f: str, e: Exception) -> None:
+    def _failed(
+        self,
+        records: ReplicaRecords,
+        peers: Peers,
+        t: int,
+        cid: str,
+        f: str,
+        e: Exception,
+        nbytes: int,
+        seconds: float,
+    ) -> None:
+        """Sending file ``f`` of ``cid`` to node ``t`` failed after ``nbytes`` of its other files went in
+        ``seconds``: recorded, logged and reported, and the node put off (backoff)."""
         delay = _backoff(self._retry_at, t)
         records.report(f"{peers.node.rank}-{node_name(t)}", "retrying", str(e), target=t)
         log.warning(
             "replicating checkpoint %r (file %s) to %s failed, retrying in %.1f s: %s",
             cid, f, node_name(t), delay, e,
+        )  # fmt: skip
+        events.emit(
+            self.layout, "replicate", cid, peers.node.rank, seconds,
+            nbytes=nbytes, target=node_name(t), ok=False, error=str(e), retry_s=delay,
         )  # fmt: skip
 
 

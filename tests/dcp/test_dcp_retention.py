@@ -89,17 +89,23 @@ def test_steady_state_saves_reuse_the_shard_files_of_evicted_checkpoints(shm_dir
 @pytest.mark.parametrize("mode", ["save", "async_save"])
 def test_the_debug_log_says_where_each_saves_bytes_went(shm_dir, mode, caplog):
     """DEBUG lines per rank and save, to tell a slow save that allocated new tmpfs pages from one that
-    reused files: the write's line, and for async_save also the staging's (where the copy happens)."""
-    caplog.set_level(logging.DEBUG, logger="dcp_memstore.dcp")
+    reused files: the write's line, and for async_save also the staging's (where the copy happens). The
+    bytes and seconds of each are its event's."""
+    caplog.set_level(logging.INFO, logger="dcp_memstore.events")
+    caplog.set_level(logging.DEBUG, logger="dcp_memstore.dcp")  # the last one sets the handler's level
     store = MemStore(root=shm_dir, job_id="job", keep_in_memory=1, io_threads=2)
     for i in range(4):
         _do_save(mode, store, _state(i), f"step-{i}")
     writes = [r.getMessage() for r in caplog.records if r.name == "dcp_memstore.dcp.rank_write"]
     stagings = [r.getMessage() for r in caplog.records if r.name == "dcp_memstore.dcp.stager"]
+    reported = [r.getMessage() for r in caplog.records if r.name == "dcp_memstore.events"]
     assert len(writes) == 4
     nbytes = (64 << 10) * 4 + 1000 * 2
-    assert all(f"{nbytes / (1 << 30):.3f} GiB in" in line for line in writes + stagings)
-    assert writes[0].startswith("rank 0 wrote checkpoint 'step-0': 4 items, ")
+    assert reported[0].startswith(
+        f"stage 'step-0' rank 0: {nbytes} bytes in " if mode == "async_save" else "write"
+    )
+    assert len([line for line in reported if line.startswith("stage ")]) == (4 if mode == "async_save" else 0)
+    assert writes[0].startswith("rank 0, checkpoint 'step-0': shard files: ")
     if mode == "save":
         assert stagings == []
         assert writes[0].endswith("0 staged by async_save, 0 reused, 2 new")
@@ -107,8 +113,7 @@ def test_the_debug_log_says_where_each_saves_bytes_went(shm_dir, mode, caplog):
     else:
         assert all(line.endswith("2 staged by async_save, 0 reused, 0 new") for line in writes)
         assert len(stagings) == 4
-        assert stagings[0].startswith("rank 0 staged 2 tensors for async_save, ")
-        assert stagings[0].endswith("0 reused, 2 new")
+        assert stagings[0] == "rank 0 staged 2 tensors for async_save; shard files: 0 reused, 2 new"
         assert stagings[3].endswith("2 reused, 0 new")
 
 

@@ -137,7 +137,14 @@ def template(rank: int, world: int) -> dict[str, Any]:
 def megatron_job(rank: int, world: int, root: str, ckpts: str) -> dict[str, Any]:
     """Each rank: save three checkpoints (sync, AsyncCallsQueue, execute_sync), load them; report."""
     shim_cuda_for_cpu()  # Megatron's async path calls CUDA-only functions; see cuda_shim
-    store = MemStore(root, JOB_ID, keep_in_memory=3, io_threads=2)
+    seen: list[tuple[str, str]] = []  # (phase, checkpoint id) of the events this process reports
+    store = MemStore(
+        root,
+        JOB_ID,
+        keep_in_memory=3,
+        io_threads=2,
+        on_event=lambda e: seen.append((e.phase, e.checkpoint_id)),
+    )
     save, load = MemStoreSaveStrategy(store), MemStoreLoadStrategy(store)
     out: dict[str, Any] = {}
     base = Path(ckpts)
@@ -184,6 +191,7 @@ def megatron_job(rank: int, world: int, root: str, ckpts: str) -> dict[str, Any]
         "checkpoint_dir": sorted(os.listdir(base / ASYNC)),
     }
     out["finalized"] = queue.maybe_finalize_async_calls(blocking=True)
+    out["async_events"] = [phase for phase, cid in seen if cid == ASYNC]
     out["async"] = mdc.load(template(rank, world), str(base / ASYNC), sharded_strategy=load)
 
     # 4. a write that fails in the worker (its staged files are gone): finalize raises on every rank, the
@@ -329,6 +337,9 @@ def test_async_queue_stages_in_trainer_writes_in_worker_commits_at_finalize(job:
         }
         assert rep["finalized"] == [0]
         assert_bit_equal(rep["async"], expected_loaded(rank, 2), f"rank {rank} async")
+        # the trainer reports the staging by the checkpoint's id, and the coordinator the commit; the
+        # write's event is the forked worker's (logged there, no callback in a child)
+        assert rep["async_events"] == (["stage", "commit"] if rank == 0 else ["stage"])
 
 
 def test_execute_sync_loads_bit_exact(job: list[dict]) -> None:

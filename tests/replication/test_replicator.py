@@ -8,10 +8,11 @@ import time
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_memstore import MemoryStorageWriter
+from dcp_memstore import Event, MemoryStorageWriter
 from dcp_memstore.replication.replicator import ReplicaRecords, Replicator
 from dcp_memstore.replication.server import PeerServer
 from dcp_memstore.replication.tcp import TcpTransport
+from dcp_memstore.store import events
 from dcp_memstore.store.layout import StoreLayout
 from tests.replication.test_recovery import SECRET, two_node_peers
 
@@ -68,3 +69,54 @@ def test_a_transfer_that_ends_after_its_checkpoint_was_saved_again_does_not_coun
         held = {p.name: p.read_bytes() for p in replica.glob("__*")}
         assert {f: held.get(f) == data for f, data in own.items()} == dict.fromkeys(own, True)
         assert sorted(own) == ["__0_0.shard", "__0_1.shard"] and len(sent) == 3  # one sent twice
+
+
+def test_replication_reports_the_bytes_sent_to_each_peer_and_failures_with_the_retry(store, shm_dir):
+    """A ``replicate`` event per checkpoint and peer node: the bytes of this node's files, and what is
+    still owed. A peer that refuses connections (its server stopped) is a failed event with the delay
+    before the next attempt."""
+    seen: list[Event] = []
+    events.listen(store.layout, seen.append)
+    try:
+        with PeerServer(shm_dir / "node1", "job", SECRET, "127.0.0.1", io_timeout_s=10) as server:
+            port = server.address[1]
+            with TcpTransport("job", SECRET, timeout_s=10) as transport:
+                save(store, "step-1", 1.0)
+                ReplicaRecords(store.layout, "step-1").hold()
+                peers = two_node_peers(port)
+                replicator = Replicator(store.layout, lambda: peers, transport, keep=2, control=transport)
+                try:
+                    _wait_until(lambda: any(e.phase == "replicate" for e in seen))
+                finally:
+                    replicator.close(10)
+        files = store.layout.checkpoint_dir("step-1").glob("__*")
+        (sent,) = [e for e in seen if e.phase == "replicate"]
+        assert (sent.checkpoint_id, sent.ok, sent.target, sent.owed) == ("step-1", True, "node1", ())
+        assert sent.nbytes == sum(f.stat().st_size for f in files) > 0
+
+        seen.clear()  # the server is stopped now: its port refuses connections
+        save(store, "step-2", 2.0)
+        ReplicaRecords(store.layout, "step-2").hold()
+        with TcpTransport("job", SECRET, timeout_s=10) as transport:
+            replicator = Replicator(store.layout, lambda: peers, transport, keep=2, control=transport)
+            try:
+                _wait_until(lambda: any(e.phase == "replicate" for e in seen))
+            finally:
+                replicator.close(10)
+        failed = next(e for e in seen if e.phase == "replicate")
+        assert (failed.checkpoint_id, failed.ok, failed.target, failed.nbytes) == (
+            "step-2",
+            False,
+            "node1",
+            0,
+        )
+        assert failed.retry_s > 0 and failed.error
+    finally:
+        events.unlisten(store.layout, seen.append)
+
+
+def _wait_until(condition, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
