@@ -22,6 +22,7 @@ import torch.distributed as dist
 from dcp_memstore.errors import CommitError
 from dcp_memstore.persist.persister import local_rank_and_size
 from dcp_memstore.persist.progress import Progress
+from dcp_memstore.persisting import optional_timeout
 from dcp_memstore.replication import safe_point
 from dcp_memstore.replication.cluster_read import ClusterCheckpoint
 from dcp_memstore.replication.cluster_status import cluster_replicas
@@ -367,9 +368,10 @@ class ReplicatingStore:
         file of it is kept by its node and that node's replica nodes. Returns at once when replication is
         off (one node, or ``replicas=0``). FileNotFoundError if no node's memory holds it, or if this
         node's memory does not and some files will stay under-replicated whatever the wait (``stalled``:
-        a node's files that only replicas keep); TimeoutError after ``timeout`` seconds, saying which
-        replicas are missing and why. Polls only the replication (not the persistent copy), at most a few
-        times a second."""
+        a node's files that only replicas keep); TimeoutError after ``timeout`` seconds (None or
+        ``math.inf``: no limit), saying which replicas are missing and why. Polls only the replication
+        (not the persistent copy), at most a few times a second."""
+        timeout = optional_timeout("timeout", timeout)
         cid = validate_name(checkpoint_id)
         self.check_open()
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -264,6 +264,19 @@ def test_closed_store_refuses_queries_and_close_is_idempotent(store):
     store.close()
 
 
+@pytest.mark.parametrize("bad", ["5", True, -1, float("nan")])
+def test_wait_replicated_refuses_a_bad_timeout_naming_it(store, bad):
+    """wait_replicated takes the timeouts wait_persisted and close take: a str failed with a TypeError
+    that named no argument, and a bool, a negative number or NaN were taken (NaN: a wait that never
+    times out) where replication was on, and passed unnoticed where it is off, as here."""
+    _commit(store, "a")
+    with pytest.raises(
+        ValueError, match=rf"timeout must be None \(no limit\) or a number of seconds >= 0, got {bad!r}"
+    ):
+        store.wait_replicated("a", bad)
+    assert store.wait_replicated("a", float("inf")).replication == "off"  # no limit, like None
+
+
 def test_store_is_picklable(store):
     _commit(store, "a")
     clone = pickle.loads(pickle.dumps(store))
