@@ -46,11 +46,12 @@ class CheckpointStatus:
     nodes' memory does, ``replicas`` is the job's view (``replication.cluster_status``): for each node
     that holds its copy, the replication of its files to each of its replica nodes (``node<i>->node<j>``:
     ``replicated``, ``pending``, ``retrying: <error>``, or ``lost``: acknowledged, but that node no
-    longer holds them); for each node that does not but wrote files of it, this one say, where they are
-    kept (``node<i>``: ``not in memory; replicas on <nodes>``): nothing replicates those again until that
-    node restores the checkpoint, so the checkpoint is ``under-replicated``; ``unheld``: ``<n> of <m>
-    data files held by no node``; ``node<i>``: ``unreachable`` for a node that did not answer, and ``not
-    replicating`` for one that holds its copy but does not replicate (``replicas=0`` there).
+    longer holds them); for each node that does not but wrote files of it (this one, for instance),
+    where they are kept (``node<i>``: ``not in memory; replicas on <nodes>``): nothing replicates those
+    again until that node restores the checkpoint, so the checkpoint is ``under-replicated``; ``unheld``:
+    ``<n> of <m> data files held by no node``; ``node<i>``: ``unreachable`` for a node that did not
+    answer, and ``not replicating`` for one that holds its copy but does not replicate (``replicas=0``
+    there).
     ``stalled`` lists the entries that waiting does not change (``wait_replicated`` raises on them).
     """
 
