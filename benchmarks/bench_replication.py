@@ -32,10 +32,9 @@ repetition, same conditions), median [min-max]; target >= 0.80 (judged on the me
 the comparison with the two processes' CPU seconds (steadier on a shared machine; approximate, as the
 kernel charges veth/TCP work to whichever process runs when it happens).
 
-3. **Training-step time, replication on vs off** (``--step-time``; needs MemStore's replication API,
-   ``replicas=`` and ``wait_replicated``: skipped with a message where the installed package lacks it): a
-   2-node torchrun job (``Cluster.torchrun``, 1 rank per node, gloo over the veth, CPU) trains an MLP
-   (bench_persist's Trainer, wrapped in DistributedDataParallel) for ``--steps`` steps after
+3. **Training-step time, replication on vs off** (``--step-time``): a 2-node torchrun job
+   (``Cluster.torchrun``, 1 rank per node, gloo over the veth, CPU) trains an MLP (bench_persist's
+   Trainer, wrapped in DistributedDataParallel) for ``--steps`` steps after
    ``--warmup-steps``; every ``--every`` steps the parameters and momentum buffers, as DTensors sharded on
    dim 0 (each node saves half, as an FSDP job would), are saved with ``dcp.async_save`` through
    ``MemoryStorageWriter(MemStore(root, job_id, replicas=R))`` on a process group of its own; the previous
@@ -834,7 +833,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="small run: 128 MiB in 4 files (and a short part 3)")
     p.add_argument("--json", metavar="PATH", help="also write the results to PATH as JSON")
     p.add_argument("--tmp", default="/dev/shm", help="directory for logs and part-3 results (/dev/shm)")
-    g = p.add_argument_group("part 3 (needs MemStore(replicas=...), not yet in the package)")
+    g = p.add_argument_group("part 3: training step time with MemStore(replicas=1) against replicas=0")
     g.add_argument("--step-time", action="store_true", help="also run part 3: step time, replication on/off")
     g.add_argument("--skip-transfers", action="store_true", help="with --step-time: run part 3 only")
     g.add_argument("--steps", type=int, default=60, help="timed training steps per run (60)")

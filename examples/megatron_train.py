@@ -87,8 +87,8 @@ def train_step(state: dict[str, torch.Tensor], target: torch.Tensor) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--save-every", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20, help="train until this step (default 20)")
+    p.add_argument("--save-every", type=int, default=5, help="save asynchronously every N steps (default 5)")
     p.add_argument("--save", default="/tmp/dcp_memstore_megatron_example", help="checkpoint directories")
     p.add_argument("--root", default="/dev/shm/dcp_memstore", help="the store's tmpfs root")
     p.add_argument("--job-id", default="megatron-example", help="the store's job id (same to resume)")

@@ -79,7 +79,7 @@ CSV_FIELDS = (
 
 def build_parser() -> argparse.ArgumentParser:
     """Options of both modes (the driver passes the training ones on to every rank)."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     train = p.add_argument_group("training (both modes)")
     train.add_argument(
         "--steps",
