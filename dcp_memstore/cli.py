@@ -1,6 +1,6 @@
-"""The ``dcp-memstore`` command: look at and tidy a node's checkpoint store.
+"""The dcp-memstore command: look at and tidy a node's checkpoint store.
 
-dcp-memstore list   [--root DIR] [--job-id ID]              committed checkpoints, oldest first, with sizes
+dcp-memstore list   [--root DIR] [--job-id ID]              committed checkpoints (oldest first): sizes, holds
 dcp-memstore show   ID [--items] [--root DIR] [--job-id ID]  one checkpoint's files (and every item)
 dcp-memstore delete ID [--root DIR] [--job-id ID]           remove one committed checkpoint
 """
@@ -108,7 +108,9 @@ def _delete(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="dcp-memstore", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(  # the module docstring: what it is, and the three commands
+        prog="dcp-memstore", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--root", help="store root (default: $DCP_MEMSTORE_ROOT or /dev/shm/dcp_memstore)")
     common.add_argument(
