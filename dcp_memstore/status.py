@@ -25,8 +25,8 @@ class CheckpointStatus:
     permanent error such as refused credentials or a missing bucket; ``store.persist(id)`` tries again) or
     ``persisted`` (published at ``persisted_url``, whose commit marker status read: a copy deleted from
     the target since is ``not requested`` again, ``error`` naming its URL, and ``retrying`` while the
-    target cannot be read). ``files_uploaded``/``files_total`` count this node's shard files of the
-    checkpoint.
+    target cannot be read). ``files_uploaded``/``files_total`` count this node's data files (shard and
+    objects files) of the checkpoint.
 
     For a checkpoint not in this node's memory (``in_memory`` False) but in the memory of the job's other
     nodes (this node was replaced and not yet restored, deleted its copy, or keeps fewer), ``persist`` is
