@@ -61,7 +61,8 @@ class Event:
 
     @property
     def gb_per_s(self) -> float:
-        """Throughput in GB/s (1 GB = 1e9 bytes); 0 where no time was measured."""
+        """Throughput in GB/s (1 GB = 1e9 bytes); 0 where no time was measured. Not a bandwidth for
+        ``commit`` (which moves no data: its ``nbytes`` is the checkpoint's size)."""
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
     def as_dict(self) -> dict:
@@ -70,10 +71,9 @@ class Event:
 
     def __str__(self) -> str:
         where = f" to {self.target}" if self.target else ""
-        text = (
-            f"{self.phase} {self.checkpoint_id!r} rank {self.rank}: {self.nbytes} bytes in "
-            f"{self.seconds:.3f} s ({self.gb_per_s:.2f} GB/s){where}"
-        )
+        rate = "" if self.phase == "commit" else f" ({self.gb_per_s:.2f} GB/s)"  # a commit moves no data
+        text = f"{self.phase} {self.checkpoint_id!r} rank {self.rank}: {self.nbytes} bytes in "
+        text += f"{self.seconds:.3f} s{rate}{where}"
         if not self.ok:
             then = "given up" if self.retry_s is None else f"retrying in {self.retry_s:.1f} s"
             text += f" FAILED ({then}): {self.error}"
