@@ -141,6 +141,8 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         except BaseException:
             _abandon_pending(self.store.layout, self._pending)  # these saves will never run
             raise
+        for seq in list(self._staged):  # reported here, where training waited for them (see ``stage``)
+            self._report_staging(seq, None)
         state = dict(self.__dict__)
         if timed_out is not None and self._stage_error is None:  # its reset there fails it when it plans
             state["_stage_error"] = (timed_out, self._pending[0][2])
@@ -161,7 +163,9 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
     def stage(self, state_dict: dict[str, Any], checkpoint_id: str | None = None) -> dict[str, Any]:
         """Copy ``state_dict``'s tensors into tmpfs shard files; training may go on once this returns.
         The ``stage`` event (the time training waited, from this call) is reported with ``checkpoint_id``
-        where the caller knows it (Megatron's strategy), else when DCP starts the save (``reset``)."""
+        where the caller knows it (Megatron's strategy), else when DCP starts the save (``reset``), which
+        names it; a save sent to DCP's checkpoint process reports it without an id as it is sent, in the
+        process where training waited."""
         here = (os.getpid(), threading.get_ident())
         self._works_in_this_thread()
         try:
@@ -198,10 +202,9 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         return staged
 
     def _report_staging(self, seq: int, checkpoint_id: str | None) -> None:
-        """Emit the ``stage`` event of the save staged under ticket ``seq`` (once), as ``checkpoint_id``
-        (None: the save fails before it starts; its staging is not reported)."""
+        """Emit the ``stage`` event of the save staged under ticket ``seq`` (once), as ``checkpoint_id``."""
         staged = self._staged.pop(seq, None)
-        if staged is not None and checkpoint_id is not None:
+        if staged is not None:
             rank, seconds, nbytes, at = staged
             events.emit(self.store.layout, "stage", checkpoint_id, rank, seconds, nbytes=nbytes, at=at)
 
@@ -243,8 +246,10 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             raise
         self._forget_begun()  # its previous save, if it failed before committing
         self._current, self.checkpoint_id, self._armed = ticket, cid, True
-        if ticket is not None:
+        if ticket is not None and cid is not None:
             self._report_staging(ticket[0], cid)
+        elif ticket is not None:
+            self._staged.pop(ticket[0], None)  # a save that fails before it starts: nothing to report
         self._deferred_error = failed
         self._save_started = time.time()
         if ticket is not None and ticket[1] is not None:

@@ -47,7 +47,7 @@ class Event:
     """One phase of one checkpoint, as it ended (see the module docstring for the phases)."""
 
     phase: str
-    checkpoint_id: str
+    checkpoint_id: str | None  # None: the staging of a save sent to DCP's checkpoint process (see writer)
     job_id: str
     rank: int
     seconds: float
@@ -103,7 +103,9 @@ def unlisten(layout: StoreLayout, callback: Callback) -> None:
             _listeners.pop(layout.job_dir, None)
 
 
-def emit(layout: StoreLayout, phase: str, checkpoint_id: str, rank: int, seconds: float, **fields) -> Event:
+def emit(
+    layout: StoreLayout, phase: str, checkpoint_id: str | None, rank: int, seconds: float, **fields
+) -> Event:
     """Report that ``phase`` of ``checkpoint_id`` ended (``fields``: the other ``Event`` fields): logged,
     and passed to the job's callbacks in this process. Returns the event."""
     event = Event(phase, checkpoint_id, layout.job_id, rank, seconds, **fields)

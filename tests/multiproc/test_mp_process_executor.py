@@ -78,8 +78,17 @@ def _my_slots(store: MemStore, rank: int) -> list[str]:
 
 
 def growing_then_shrinking_saves(rank: int, world: int, root: str) -> dict:
-    """Five PROCESS-executor async saves through one writer, each waited on and loaded back bit-exact."""
-    store = MemStore(root, JOB_ID, keep_in_memory=1, io_threads=2, stage_timeout_s=STAGE_TIMEOUT_S)
+    """Five PROCESS-executor async saves through one writer, each waited on and loaded back bit-exact.
+    The store's callback (a lambda: it cannot be pickled) stays in this process."""
+    seen: list[tuple[str, str | None]] = []
+    store = MemStore(
+        root,
+        JOB_ID,
+        keep_in_memory=1,
+        io_threads=2,
+        stage_timeout_s=STAGE_TIMEOUT_S,
+        on_event=lambda e: seen.append((e.phase, e.checkpoint_id)),
+    )
     writer = MemoryStorageWriter(store)
     pool_before: list[list[int]] = []
     for step in range(1, len(PHASES) + 1):
@@ -97,7 +106,7 @@ def growing_then_shrinking_saves(rank: int, world: int, root: str) -> dict:
         dcp.load(target, checkpoint_id=ckpt, storage_reader=MemoryStorageReader(store))
         assert_bit_equal(target, expected, f"{ckpt} on rank {rank}")
     writer.close()
-    return {"latest": store.latest_checkpoint(), "pool_before": pool_before}
+    return {"latest": store.latest_checkpoint(), "pool_before": pool_before, "events": seen}
 
 
 def test_process_executor_state_dict_grows_and_shrinks(mp: MultiProc) -> None:
@@ -106,6 +115,9 @@ def test_process_executor_state_dict_grows_and_shrinks(mp: MultiProc) -> None:
     results = mp.run(growing_then_shrinking_saves, 2, str(mp.root))
     last = f"step-{len(PHASES)}"
     assert [r["latest"] for r in results] == [last, last]
+    # the time training waited is reported here, where it waited (DCP names the save only in its
+    # checkpoint process, which writes, commits and logs the rest)
+    assert [r["events"] for r in results] == [[("stage", None)] * len(PHASES)] * 2
     for rank, r in enumerate(results):
         pools = r["pool_before"]
         # the scenario this guards: from save 3 on, evicted files of the previous sizes sit in the pool
