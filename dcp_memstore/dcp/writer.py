@@ -375,6 +375,24 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             return False  # that thread has gone on to another save (still inside DCP: its frames cannot tell)
         return runs_code_of(thread, _DCP_SAVE_FILE)
 
+    def finish_later(self) -> None:
+        """Say that this save, planned, is written and finished outside DCP's save, by steps that may run
+        in other processes: Megatron's async worker (a forked process, say) writes it, and the finalize
+        step, later in this process, commits it.
+
+        The checkpoint's directory on this node is made now, by this process, where no rank of the node
+        made it yet (the coordinator makes it on its own node only). Made by the writing process, it would
+        be owned by one that may exit before the commit, and any process opening the store on this node
+        would clear it as a dead save's. Owned by this process, it is cleared once this process dies
+        without committing it. If it cannot be made now, the writing process makes it, or reports why
+        not through the finalize step on every rank."""
+        layout, cid = self.store.layout, self.checkpoint_id
+        assert cid is not None
+        try:
+            catalog.join(layout, cid)
+        except OSError as e:
+            log.warning("could not make the directory of checkpoint %r on this node now: %s", cid, e)
+
     def _works_in_this_thread(self) -> None:
         """Note that this thread works for this writer's save now (staging it, or running DCP's save)."""
         _thread_writer[threading.current_thread()] = weakref.ref(self)  # one dict store: atomic

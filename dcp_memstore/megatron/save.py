@@ -7,8 +7,10 @@ them as follows.
    staged, i.e. copied into a tmpfs staging slot by the store's stager (GPU tensors by DMA into the pinned
    mapping), and ShardedObjects are serialised by Megatron's own conversion, as its torch_dist strategy
    does. Then DCP's planning runs (collectives) with Megatron's ``MCoreSavePlanner`` and dcp_memstore's
-   ``MemoryStorageWriter``; the coordinator creates the checkpoint directory in the store. Once it
-   returns, training may change its tensors.
+   ``MemoryStorageWriter``; the coordinator creates the checkpoint directory in the store, and every
+   rank's trainer makes it on its own node where no rank of the node did: its owner must live until the
+   finalize step, which the worker of phase 2 may not (see ``MemoryStorageWriter.finish_later``). Once
+   it returns, training may change its tensors.
 2. ``AsyncRequest.async_fn`` (Megatron's async worker: a forked process with ``AsyncCallsQueue``, a
    persistent worker process, or inline with ``execute_sync``): this rank's write. Staged items are only
    checksummed and their files renamed into the checkpoint. The write results go to a small msgpack
@@ -123,6 +125,7 @@ class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
         except BaseException:
             holder.release()
             raise
+        writer.finish_later()  # this process, which lives until finalize, owns the directory on this node
         _discard_earlier_attempts(record, dw.rank)  # no earlier attempt writes now: reset waited for it
         holder.watch()
         finalize = functools.partial(

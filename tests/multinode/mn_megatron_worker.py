@@ -1,5 +1,7 @@
 """A Megatron job over several nodes (one rank per node), run by torchrun on every node of a namespace
-cluster: three attempts at one checkpoint directory, through ``MemStoreSaveStrategy``.
+cluster, saving through ``MemStoreSaveStrategy``; the second argument picks what it does.
+
+``attempts``: three attempts at one checkpoint directory.
 
 1. an async save written by Megatron's forked worker on every rank, whose finalize step never runs: the
    queue is closed with ``abort=True`` (as an in-process restart does). Its directory stays in the store
@@ -12,19 +14,28 @@ Events, one line ``@@mn {json}`` each (see mn_worker.emit): ``aborted`` (the fil
 holds of the checkpoint), ``retried`` (finalize's error, what is committed), ``loaded`` (whether the
 third save loaded back bit for bit, and the error if not).
 
-    python mn_megatron_worker.py CKPTS    (CKPTS: a directory every node sees; DCP_MEMSTORE_JOB_ID set)
+``opened``: an async save written by Megatron's forked workers; before it is finalized, another process
+opens the store on node 1 (which clears what dead saves left there). Then it is finalized and loaded back.
+Last, another async save is written and never finalized: the job ends first. Events: ``opened`` (node 1:
+the files its store still holds of the save), ``finalized`` (finalize's error, what is committed),
+``loaded`` (as above), ``unfinalized`` (the files this node's store holds of the last save).
+
+    python mn_megatron_worker.py CKPTS [attempts|opened]
+    (CKPTS: a directory every node sees, holding the checkpoint directories; DCP_MEMSTORE_JOB_ID set)
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 from megatron.core import dist_checkpointing as mdc
+from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -36,7 +47,9 @@ from tests.megatron.cuda_shim import shim_cuda_for_cpu
 from tests.multinode.mn_worker import emit
 from tests.multiproc.mp_harness import assert_bit_equal
 
-CKPT = "iter_0000010"  # the checkpoint directory's name, and the id in the store
+CKPT = "iter_0000010"  # the checkpoint directory's name, and the id in the store (attempts, opened)
+UNFINALIZED = "iter_0000020"  # opened: the save the job never finalizes
+OPEN_STORE = "from dcp_memstore import MemStore; MemStore(io_threads=1).close()"  # root, job id: from env
 WORKER_WAIT_S = 60.0
 
 
@@ -47,15 +60,31 @@ def state(seed: int) -> dict[str, Any]:
     return {**megatron_state.sharded(values, obj, rank, world), **megatron_state.common_state(seed)}
 
 
-def attempts(store: MemStore, ckpt_dir: str) -> None:
+def check_loaded(store: MemStore, ckpt_dir: str, seed: int) -> None:
+    """Load ``ckpt_dir`` through the store; AssertionError unless it is ``state(seed)``, bit for bit."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    save = MemStoreSaveStrategy(store)
+    load = MemStoreLoadStrategy(store)
+    loaded = mdc.load(megatron_state.template(rank, world), ckpt_dir, sharded_strategy=load)
+    assert_bit_equal(loaded, megatron_state.expected_loaded(rank, seed), f"rank {rank}")
 
+
+def written(store: MemStore, seed: int, ckpt_dir: str) -> AsyncCallsQueue:
+    """An async save of ``state(seed)`` whose forked worker has written it on every rank; not finalized."""
     queue = AsyncCallsQueue()
-    queue.schedule_async_request(mdc.save(state(1), ckpt_dir, sharded_strategy=save, async_sharded_save=True))
+    save = MemStoreSaveStrategy(store)
+    queue.schedule_async_request(
+        mdc.save(state(seed), ckpt_dir, sharded_strategy=save, async_sharded_save=True)
+    )
     queue.async_calls[0].async_caller.process.join(WORKER_WAIT_S)
     dist.barrier()
-    queue.close(abort=True)  # the first attempt is never finalized
+    return queue
+
+
+def attempts(store: MemStore, ckpt_dir: str) -> None:
+    rank = dist.get_rank()
+    save = MemStoreSaveStrategy(store)
+
+    written(store, 1, ckpt_dir).close(abort=True)  # the first attempt is never finalized
     emit(event="aborted", files=sorted(os.listdir(store.layout.checkpoint_dir(CKPT))))
 
     queue = AsyncCallsQueue()
@@ -73,12 +102,33 @@ def attempts(store: MemStore, ckpt_dir: str) -> None:
 
     try:
         mdc.save(state(3), ckpt_dir, sharded_strategy=save)
-        load = MemStoreLoadStrategy(store)
-        loaded = mdc.load(megatron_state.template(rank, world), ckpt_dir, sharded_strategy=load)
-        assert_bit_equal(loaded, megatron_state.expected_loaded(rank, 3), f"rank {rank}")
+        check_loaded(store, ckpt_dir, 3)
         emit(event="loaded", ok=True)
     except (AssertionError, CheckpointException) as e:  # raised on every rank
         emit(event="loaded", ok=False, error=str(e)[-2000:])
+
+
+def opened(store: MemStore, ckpt_dir: str) -> None:
+    rank = dist.get_rank()
+    queue = written(store, 4, ckpt_dir)
+    if rank == 1:  # another process of the job starts on this node: its store clears dead saves' leftovers
+        subprocess.run([sys.executable, "-c", OPEN_STORE], check=True, timeout=WORKER_WAIT_S)
+        d = store.layout.checkpoint_dir(CKPT)
+        emit(event="opened", files=sorted(os.listdir(d)) if d.is_dir() else None)
+    dist.barrier()
+    try:
+        queue.maybe_finalize_async_calls(blocking=True)
+        error = None
+    except CheckpointException as e:  # DCP's, a BaseException
+        error = str(e)
+    emit(event="finalized", error=error, committed=store.list_checkpoints())
+    try:
+        check_loaded(store, ckpt_dir, 4)
+        emit(event="loaded", ok=True)
+    except (AssertionError, CheckpointingException) as e:  # not committed: "not a distributed checkpoint"
+        emit(event="loaded", ok=False, error=str(e)[-2000:])
+    written(store, 5, str(Path(ckpt_dir).with_name(UNFINALIZED)))  # the job ends before its finalize step
+    emit(event="unfinalized", files=sorted(os.listdir(store.layout.checkpoint_dir(UNFINALIZED))))
 
 
 def main() -> None:
@@ -87,7 +137,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     store = MemStore(keep_in_memory=2, io_threads=1, stage_timeout_s=30, replication_timeout_s=3)
     try:
-        attempts(store, str(Path(sys.argv[1]) / CKPT))
+        scenario = {"attempts": attempts, "opened": opened}[sys.argv[2] if len(sys.argv) > 2 else "attempts"]
+        scenario(store, str(Path(sys.argv[1]) / CKPT))
         dist.barrier()
     finally:
         store.close()
