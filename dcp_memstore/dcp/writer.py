@@ -115,6 +115,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         self._stage_error: tuple[BaseException, tuple[int, int]] | None = None
         self._deferred_error: BaseException | None = None  # fails the save in progress when it plans
         self._begun_by: threading.Thread | None = None  # the thread that began this writer's checkpoint
+        self._finishes_later = False  # finish_later(): running until save_ended(), outside DCP's save
         # A staged save that never runs (its async_save failed after staging) must not block later ones.
         self._abandon = weakref.finalize(self, _abandon_later, str(store.layout.job_dir), self._pending)
 
@@ -378,7 +379,10 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
     def finish_later(self) -> None:
         """Say that this save, planned, is written and finished outside DCP's save, by steps that may run
         in other processes: Megatron's async worker (a forked process, say) writes it, and the finalize
-        step, later in this process, commits it.
+        step, later in this process, commits it. Until ``save_ended`` (or until this writer is dropped:
+        nothing will finish the save then) it counts as running here (``running_saves``): the space check
+        of this process's next save, and the clearing after a commit, keep its directory, which holds what
+        was written and waits for the commit.
 
         The checkpoint's directory on this node is made now, by this process, where no rank of the node
         made it yet (the coordinator makes it on its own node only). Made by the writing process, it would
@@ -392,6 +396,15 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             catalog.join(layout, cid)
         except OSError as e:
             log.warning("could not make the directory of checkpoint %r on this node now: %s", cid, e)
+        with _begun_lock:
+            _begun[(str(layout.job_dir), cid)] = self
+        self._finishes_later = True
+
+    def save_ended(self) -> None:
+        """The save announced by ``finish_later`` has ended, committed or failed: it no longer counts as
+        running, and a directory it left uncommitted is a failed save's, to be cleared as one."""
+        self._finishes_later = False
+        self._forget_begun()
 
     def _works_in_this_thread(self) -> None:
         """Note that this thread works for this writer's save now (staging it, or running DCP's save)."""
@@ -490,11 +503,11 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
 
 def running_saves(layout: StoreLayout, exclude: MemoryStorageWriter | None = None) -> set[str]:
     """The checkpoint ids of ``layout``'s job that saves of this process (other than ``exclude``'s) began
-    and are still writing."""
+    and are still writing, or that are written and finished later (``finish_later``)."""
     job = str(layout.job_dir)
     with _begun_lock:
         begun = [(cid, w) for (j, cid), w in _begun.items() if j == job and w is not exclude]
-    return {cid for cid, w in begun if w._saving_elsewhere()}
+    return {cid for cid, w in begun if w._finishes_later or w._saving_elsewhere()}
 
 
 def check_space_reclaiming(

@@ -171,6 +171,7 @@ class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
             dw.all_reduce("write", my_results, commit)
         finally:
             holder.release()
+            writer.save_ended()
         self.saves_committed += 1
 
 

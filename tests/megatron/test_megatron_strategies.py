@@ -280,6 +280,16 @@ def megatron_job(rank: int, world: int, root: str, ckpts: str) -> dict[str, Any]
     return out
 
 
+def written_not_finalized(store: MemStore, sd: dict[str, Any], ckpt_dir: str) -> AsyncCallsQueue:
+    """An async save of ``sd`` into ``ckpt_dir`` whose forked worker (Megatron's ``AsyncCallsQueue``) has
+    written this rank's part; the queue holding it, not finalized."""
+    queue = AsyncCallsQueue()
+    save = MemStoreSaveStrategy(store)
+    queue.schedule_async_request(mdc.save(sd, ckpt_dir, sharded_strategy=save, async_sharded_save=True))
+    queue.async_calls[0].async_caller.process.join(60)
+    return queue
+
+
 def run_megatron_job(
     fn: Callable, dirs: Iterable[str], *args: Any, timeout: float = JOB_TIMEOUT_S
 ) -> Iterator[list[dict[str, Any]]]:

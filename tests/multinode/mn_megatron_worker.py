@@ -70,12 +70,7 @@ def check_loaded(store: MemStore, ckpt_dir: str, seed: int) -> None:
 
 def written(store: MemStore, seed: int, ckpt_dir: str) -> AsyncCallsQueue:
     """An async save of ``state(seed)`` whose forked worker has written it on every rank; not finalized."""
-    queue = AsyncCallsQueue()
-    save = MemStoreSaveStrategy(store)
-    queue.schedule_async_request(
-        mdc.save(state(seed), ckpt_dir, sharded_strategy=save, async_sharded_save=True)
-    )
-    queue.async_calls[0].async_caller.process.join(WORKER_WAIT_S)
+    queue = megatron_state.written_not_finalized(store, state(seed), ckpt_dir)
     dist.barrier()
     return queue
 
