@@ -465,7 +465,8 @@ class MemStore(PersistingStore, ReplicatingStore):
     def status(self, checkpoint_id: str) -> CheckpointStatus:
         """Where ``checkpoint_id`` is: in this node's memory, its replicas on other nodes, and its upload
         state (see CheckpointStatus). On a node whose memory does not hold it, the other nodes' memory
-        is asked (once) what they hold of it; FileNotFoundError if no tier holds it."""
+        is asked (once) what they hold of it, and where it does, each replica node it was replicated to
+        whether it still keeps it; FileNotFoundError if no tier holds it."""
         self.check_open()
         cid = validate_name(checkpoint_id)
         cluster = functools.cache(functools.partial(self._cluster_copy, cid))
@@ -537,7 +538,7 @@ class MemStore(PersistingStore, ReplicatingStore):
                         f"with persist_to: {owed}; this store has none: free memory with store.delete(id), "
                         "or wait for those uploads",
                     ) from None
-                failed = [cid for cid in owed if self.status(cid).persist == "failed"]
+                failed = [cid for cid in owed if self._upload_status(cid).persist == "failed"]
                 if self.persist_backlog == "wait" and len(failed) < len(owed) and time.monotonic() < deadline:
                     time.sleep(0.2)
                     continue
@@ -661,7 +662,7 @@ class MemStore(PersistingStore, ReplicatingStore):
                 continue
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                self.wait_persisted(rec.checkpoint_id, left)
+                self._wait_uploaded(rec.checkpoint_id, left)
             except (PersistError, OSError, ValueError) as e:  # also: damaged in memory (status raises)
                 log.warning(
                     "closing with checkpoint %r not persisted (resumes at next start): %s",

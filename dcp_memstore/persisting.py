@@ -121,6 +121,11 @@ class PersistingStore:
             )
         return st
 
+    def _upload_status(self, cid: str) -> CheckpointStatus:
+        """``status`` of ``cid`` (a valid name) without its replication, which asks the replica nodes:
+        what a wait for uploads polls (a dead peer would make every poll wait for its timeout)."""
+        return self._persist_status(cid, functools.cache(functools.partial(self._cluster_copy, cid)))
+
     def _local_persist_status(self, cid: str, url: str) -> CheckpointStatus | None:
         """The upload state of ``cid`` from its records in memory; None if it was evicted while reading."""
         progress = Progress(self.layout, cid, self.target.url)
@@ -203,13 +208,21 @@ class PersistingStore:
     def wait_persisted(self, checkpoint_id: str, timeout: float | None = None) -> CheckpointStatus:
         """Block until ``checkpoint_id`` is persisted. Raises PersistError if its upload failed for good,
         ValueError if nothing will upload it (not requested: call ``persist(id)``), TimeoutError after
-        ``timeout`` seconds (None: no limit)."""
+        ``timeout`` seconds (None: no limit). Returns its ``status``."""
+        self._wait_uploaded(checkpoint_id, timeout)
+        return self.status(checkpoint_id)
+
+    def _wait_uploaded(self, checkpoint_id: str, timeout: float | None) -> None:
+        """``wait_persisted`` without the status it returns: polls the upload state alone (no replica
+        node is asked, see ``_upload_status``), as ``close`` waits."""
         timeout = optional_timeout("timeout", timeout)
+        cid = validate_name(checkpoint_id)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            st = self.status(checkpoint_id)
+            self.check_open()
+            st = self._upload_status(cid)
             if st.persisted:
-                return st
+                return
             if st.persist == "failed":
                 raise PersistError(
                     f"persisting checkpoint {st.checkpoint_id!r} to {self.target.url} failed: {st.error}"

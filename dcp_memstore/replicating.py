@@ -26,9 +26,10 @@ from dcp_memstore.persisting import optional_timeout
 from dcp_memstore.replication import safe_point
 from dcp_memstore.replication.cluster_read import ClusterCheckpoint
 from dcp_memstore.replication.cluster_status import cluster_replicas
-from dcp_memstore.replication.peers import Peers, default_bind_host
+from dcp_memstore.replication.peers import Peers, default_bind_host, node_name
 from dcp_memstore.replication.placement import NodeInfo, replica_targets
 from dcp_memstore.replication.recovery import inventory, orphans, restore, resync, take_over, unheld
+from dcp_memstore.replication.replica_check import confirm
 from dcp_memstore.replication.replicator import ReplicaRecords, node_files
 from dcp_memstore.replication.service import ReplicationService, job_node_info
 from dcp_memstore.replication.tcp import TcpTransport
@@ -355,19 +356,37 @@ class ReplicatingStore:
         if not self._replicating():
             return st
         replicas = self._replication_state(st.checkpoint_id) if st.in_memory else None
-        if replicas is None:
+        if replicas is not None:
+            replicas = self._confirmed(st.checkpoint_id, replicas)
+        else:
             held = cluster()
             if held is None:
                 return dataclasses.replace(st, replication=NOT_IN_MEMORY)
             replicas = cluster_replicas(held)
         return dataclasses.replace(st, replication=replication_of(replicas), replicas=replicas)
 
+    def _confirmed(self, cid: str, replicas: dict[str, str]) -> dict[str, str]:
+        """This node's replication ``replicas`` of ``cid`` with each ``replicated`` checked against what
+        its replica node keeps now (``replica_check``); not waiting for a replica node's rank that has
+        not announced its server (that one is ``unreachable``)."""
+        node = self._node()
+        targets = self._replica_targets(node)
+        if self._service is not None:
+            servers, control = self._service.servers_now(targets), self._service.control
+        else:  # DCP's checkpoint process: the training process's peers
+            peers, control = self._control()
+            servers = {t: peers.server(t) for t in targets}
+        servers_by_name = {node_name(t): addr for t, addr in servers.items()}
+        return confirm(
+            replicas, node_files(self.layout, cid), servers_by_name, node_name(node.node_rank), control, cid
+        )
+
     def wait_replicated(self, checkpoint_id: str, timeout: float | None = None) -> CheckpointStatus:
         """Block until ``checkpoint_id`` is replicated (see CheckpointStatus): where this node's memory
         holds it, until every replica node acknowledged this node's files; where it does not, until every
         file of it is kept by its node and that node's replica nodes. Returns at once when replication is
-        off (one node, or ``replicas=0``). FileNotFoundError if no node's memory holds it, or if this
-        node's memory does not and some files will stay under-replicated whatever the wait (``stalled``:
+        off (one node, or ``replicas=0``). FileNotFoundError if no node's memory holds it, or if some files
+        will stay under-replicated whatever the wait (``stalled``: a replica acknowledged and lost since,
         a node's files that only replicas keep); TimeoutError after ``timeout`` seconds (None or
         ``math.inf``: no limit), saying which replicas are missing and why. Polls only the replication
         (not the persistent copy), at most a few times a second."""
@@ -380,8 +399,10 @@ class ReplicatingStore:
             in_memory = catalog.read_commit(self.layout, cid) is not None
             cluster = functools.cache(functools.partial(self._cluster_copy, cid))
             st = self._with_replication(CheckpointStatus(cid, in_memory, "off"), cluster)
-            if st.replication in ("off", "replicated"):
-                return self.status(cid)
+            if st.replication in ("off", "replicated"):  # the replica nodes are not asked again
+                return dataclasses.replace(
+                    self._upload_status(cid), replication=st.replication, replicas=st.replicas
+                )
             if st.replication == NOT_IN_MEMORY:
                 raise FileNotFoundError(
                     f"checkpoint {cid!r} is in no node's memory (committed here: "
@@ -390,11 +411,13 @@ class ReplicatingStore:
                 )
             if st.stalled:
                 raise FileNotFoundError(
-                    f"checkpoint {st.checkpoint_id!r} is not in this node's memory, and waiting does not "
-                    f"make it replicated: {st.stalled} (all: {st.replicas}). The files of a node that "
-                    "does not hold it are kept only as replicas, which nothing replicates again: "
-                    "latest_checkpoint() on every rank restores the newest checkpoint on the nodes that "
-                    "lack it and sends lost replicas again; persist an older one (store.persist(id))"
+                    f"checkpoint {st.checkpoint_id!r} is not replicated, and waiting does not make it "
+                    f"replicated: {st.stalled} (all: {st.replicas}). Nothing sends a lost replica again "
+                    "(acknowledged, but its node no longer keeps it: that node was replaced or wiped, or "
+                    "deleted or evicted its copy), nor replicates the files of a node that does not hold "
+                    "the checkpoint (kept only as replicas): latest_checkpoint() on every rank restores "
+                    "the newest checkpoint on the nodes that lack it and sends lost replicas again; "
+                    "persist an older one (store.persist(id))"
                 )
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(

@@ -40,7 +40,11 @@ class CheckpointStatus:
     every entry is ``replicated``.
 
     Where this node's memory holds the checkpoint, ``replicas`` has one entry per replica node of this
-    node's files (``node<i>``: ``replicated``, ``pending`` or ``retrying: <error>``).
+    node's files (``node<i>``: ``replicated``, ``pending`` or ``retrying: <error>``), each ``replicated``
+    checked against what that node answers it keeps now (``replication.replica_check``): ``lost`` where
+    it no longer keeps them (replaced or wiped, or it deleted or evicted its copy: nothing sends them
+    again before the next ``latest_checkpoint()``, so ``wait_replicated`` raises), ``unreachable`` where
+    it does not answer or has not announced its server yet (``wait_replicated`` waits).
 
     Where it does not (a node replaced and not restored yet, or one that deleted its copy) but other
     nodes' memory does, ``replicas`` is the job's view (``replication.cluster_status``): for each node

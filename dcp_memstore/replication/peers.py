@@ -21,6 +21,7 @@ import ipaddress
 import os
 import socket
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,12 +91,20 @@ def lookup(store: Any, job_id: str, node: NodeInfo, deadline: float, waited: str
                 raise RuntimeError(_not_announced(job_id, node, missing, waited))
         time.sleep(pause)
         pause = min(2 * pause, _POLL_S[1])
-    out = {}
-    for r, k in enumerate(keys):
-        host, port = bytes(store.get(k)).decode().rsplit(" ", 1)
-        out[r] = (host, int(port))
+    out = {r: _address(store, k) for r, k in enumerate(keys)}
     check_reachable(out)
     return out
+
+
+def announced(store: Any, job_id: str, ranks: Iterable[int]) -> dict[int, PeerAddress]:
+    """The server addresses of those of ``ranks`` that have announced one by now, without waiting."""
+    keys = {r: address_key(job_id, r) for r in ranks}
+    return {r: _address(store, k) for r, k in keys.items() if store.check([k])}
+
+
+def _address(store: Any, key: str) -> PeerAddress:
+    host, port = bytes(store.get(key)).decode().rsplit(" ", 1)
+    return (host, int(port))
 
 
 def _not_announced(job_id: str, node: NodeInfo, missing: list[int], waited: str) -> str:

@@ -16,13 +16,21 @@ from typing import Any
 import torch.distributed as dist
 
 from dcp_memstore.replication.auth import shared_secret
-from dcp_memstore.replication.peers import ANNOUNCE_GRACE_S, Peers, announce, announced_host, lookup
-from dcp_memstore.replication.placement import NodeInfo
+from dcp_memstore.replication.peers import (
+    ANNOUNCE_GRACE_S,
+    Peers,
+    announce,
+    announced,
+    announced_host,
+    lookup,
+)
+from dcp_memstore.replication.placement import NodeInfo, peer_rank
 from dcp_memstore.replication.rdma import RdmaTransport
 from dcp_memstore.replication.replicator import Replicator
 from dcp_memstore.replication.select import choose_transport
 from dcp_memstore.replication.server import CommitHandler, PeerServer, ReplicatedHandler, ReplicationState
 from dcp_memstore.replication.tcp import TcpTransport
+from dcp_memstore.replication.transport import PeerAddress
 from dcp_memstore.store.layout import StoreLayout
 
 log = logging.getLogger(__name__)
@@ -116,6 +124,15 @@ class ReplicationService:
         ``ANNOUNCE_GRACE_S`` (at most ``timeout_s``) after this service started, then RuntimeError naming
         it, at once on every later call (see the ``peers`` module docstring: the rule)."""
         return self._learn(min(self.timeout_s, ANNOUNCE_GRACE_S))
+
+    def servers_now(self, nodes: list[int]) -> dict[int, PeerAddress]:
+        """The server of this process's local rank on each of ``nodes`` that has announced it by now:
+        no waiting (a status does not wait for a rank that is late, or dead)."""
+        ranks = {n: peer_rank(n, self.node.local_rank, self.node.local_world_size) for n in nodes}
+        if self._peers is not None:
+            return {n: self._peers.addresses[r] for n, r in ranks.items()}
+        found = announced(self._store, self.layout.job_id, ranks.values())
+        return {n: found[r] for n, r in ranks.items() if r in found}
 
     def _peers_for_replicator(self) -> Peers:
         """``peers`` for the replicator thread, which holds up no caller: it waits ``timeout_s``."""

@@ -25,12 +25,12 @@
     load: ``latest_checkpoint()``, then ``dcp.load`` into fresh tensors and compare bit for bit with what
           that step saved (the world size may differ from the save's); with ``--wait-persisted N``, every
           rank then waits for step N's upload and reports how it ended. With ``--before-restore N``
-          (one rank per node), node 1 first reports step N as ``--not-here`` does (a replaced node: before
-          ``latest_checkpoint()`` restores its copy).
+          (one rank per node), every node first reports step N as ``--not-here`` does (before
+          ``latest_checkpoint()`` restores a replaced node's copy and sends the replicas it lost again).
 
-    close-alone: rank 0 creates its MemStore, waits until each checkpoint its node holds is replicated,
-          and closes it; rank 1 never creates one (as a rank that failed before), so rank 0's replicator
-          is still waiting for its server's address.
+    close-alone: rank 0 creates its MemStore, waits (5 s at most) until each checkpoint its node holds
+          is replicated, and closes it; rank 1 never creates one (as a rank that failed before), so rank
+          0's replicator is still waiting for its server's address.
     dead-peer: rank 1 is SIGKILLed before it creates its MemStore; rank 0, once the test saw it die
           (file ``dead``), creates its MemStore (``stage_timeout_s=10``, with ``--persist-to``) and
           reports how asking ``status`` of step N (not in its memory), then ``wait_persisted`` of it,
@@ -291,7 +291,8 @@ def watch(store: MemStore, cid: str, tmp: Path) -> None:
 
 
 def load(args, store: MemStore, mesh) -> None:
-    if args.before_restore and dist.get_rank() == 1:
+    if args.before_restore:
+        dist.barrier()  # every rank opened its store: its server is announced, its node can be asked
         report_status(store, f"step-{args.before_restore}", "before-restore")
     cid = store.latest_checkpoint()
     emit(event="latest", checkpoint=cid, here=store.list_checkpoints())
@@ -320,13 +321,18 @@ def load(args, store: MemStore, mesh) -> None:
 
 
 def close_alone(args) -> None:
-    """See ``close-alone`` in the module docstring: rank 0 reports what ``wait_replicated`` said and how
-    long it and ``close()`` took."""
+    """See ``close-alone`` in the module docstring: rank 0 reports how each ``wait_replicated`` ended and
+    how long they and ``close()`` took."""
     if dist.get_rank() == 0:
         store = MemStore(job_id=args.job, replicas=args.replicas, stage_timeout_s=60, replication_timeout_s=3)
         time.sleep(1)  # its replicator is looking up the peers' servers
         start = time.monotonic()
-        replication = [store.wait_replicated(c, timeout=5).replication for c in store.list_checkpoints()]
+        replication = []
+        for c in store.list_checkpoints():
+            try:
+                replication.append(f"returned {store.wait_replicated(c, timeout=5).replication}")
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                replication.append(f"{type(e).__name__}: {e}")
         asked = time.monotonic()
         store.close()
         emit(event="closed", replication=replication, wait_s=asked - start, close_s=time.monotonic() - asked)
@@ -386,7 +392,7 @@ def main() -> None:
     p.add_argument("--unreachable", type=int, default=0, help="as --elsewhere, the target unreadable")
     p.add_argument("--waiting", type=int, default=0, help="after saving, node 0 waits for node 1's share")
     p.add_argument("--not-here", type=int, default=0, help="after saving, delete this step on node 1")
-    p.add_argument("--before-restore", type=int, default=0, help="node 1 reports this step, then loads")
+    p.add_argument("--before-restore", type=int, default=0, help="every node reports this step, then loads")
     p.add_argument("--serve-until", default=None, help="after saving, serve until this file appears in --tmp")
     p.add_argument("--gate", type=int, default=0, help="after this step is replicated, wait for --tmp/go")
     p.add_argument("--late", type=float, default=None, help="dead-peer: rank 1 opens its store this late")

@@ -176,6 +176,17 @@ def test_three_nodes_replicate_lose_a_node_restore_and_refuse_outsiders(cluster3
         },
     }, before
     assert "waiting does not make it replicated" in before["outcome"], before
+    # node 0 holds step 2, and its records say node 1 acknowledged its files: node 1 answers that it no
+    # longer keeps them, so they are lost, not replicated, and waiting for them raises at once (nothing
+    # sends them again before latest_checkpoint()); node 2's replica on node 0 is still there
+    (holder,) = of(loaded[0], "before-restore")
+    assert holder == {**holder, "in_memory": True, "replication": "under-replicated"}, holder
+    assert holder["replicas"] == {"node1": "lost"}, holder
+    assert holder["outcome"].startswith("FileNotFoundError"), holder
+    assert "waiting does not make it replicated" in holder["outcome"], holder
+    assert "latest_checkpoint()" in holder["outcome"], holder
+    (kept,) = of(loaded[2], "before-restore")
+    assert kept == {**kept, "replication": "replicated", "replicas": {"node0": "replicated"}}, kept
     for evs in loaded:
         (latest,) = of(evs, "latest")
         assert latest["checkpoint"] == "step-2"
@@ -330,12 +341,15 @@ def test_a_node_without_the_checkpoint_reports_the_jobs_replication_of_it(cluste
 def test_a_rank_that_never_announced_its_server_blocks_neither_status_nor_close(cluster2, tmp_path):
     """After a job saved step 1 (replicated), a new job starts where rank 1 never creates its MemStore
     (a job shutting down after a failure), so rank 0's replicator waits for its server's address (up to
-    stage_timeout_s, 60 s here). Rank 0's wait_replicated of step 1 (status) and close() return at once
-    instead of waiting that long."""
+    stage_timeout_s, 60 s here). Rank 0's wait_replicated of step 1 (status) and close() do not wait
+    that long: node 1 acknowledged its files, but with no server there nothing can confirm that it
+    still keeps them, so node 1 is unreachable until the wait's own timeout (5 s)."""
     run_job(cluster2, [0, 1], ["save", "--steps", 1, "--wait-replicated"], tmp_path)
     (evs, _) = run_job(cluster2, [0, 1], ["close-alone"], tmp_path)
     (closed,) = of(evs, "closed")
-    assert closed["replication"] == ["replicated"], closed
+    (outcome,) = closed["replication"]
+    assert outcome.startswith("TimeoutError: checkpoint 'step-1' not replicated after 5 s"), closed
+    assert "{'node1': 'unreachable'}" in outcome, closed
     assert closed["wait_s"] < 10 and closed["close_s"] < 10, closed
 
 
