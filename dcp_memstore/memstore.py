@@ -18,7 +18,7 @@ import torch.distributed as dist
 from dcp_memstore.errors import InsufficientSpaceError, PersistError
 from dcp_memstore.persist import target_users
 from dcp_memstore.persist.persister import Persister
-from dcp_memstore.persist.progress import Progress, adopt_unnamed_holds, is_persist_hold, target_key
+from dcp_memstore.persist.progress import Progress, adopt_unnamed_holds, is_persist_hold
 from dcp_memstore.persist.publish import remote_committed
 from dcp_memstore.persist.remote_read import RemoteCheckpoint
 from dcp_memstore.persist.target import PersistTarget
@@ -285,7 +285,7 @@ class MemStore(PersistingStore, ReplicatingStore):
             log.info("cleared uncommitted leftovers of dead saves: %s", cleared)
         self._registration: Path | None = None  # of this store's target (``target_users``)
         if self.target is not None:
-            self._registration = target_users.register(self.layout, target_key(self.target.url))
+            self._registration = target_users.register(self.layout, self.target.url)
             if adopted := adopt_unnamed_holds(self.layout, self.target.url):
                 log.info("owed to %s, as an earlier version held them: %s", self.target.url, adopted)
         if owed := self._owed(binding=False):
@@ -524,37 +524,16 @@ class MemStore(PersistingStore, ReplicatingStore):
                 space.check_space(self.layout.root, needed, FilePool(self.layout, rank).reusable_bytes())
                 return
             except InsufficientSpaceError as e:
-                owed = self._owed()
-                if not owed:
+                if not self._owed():
                     self._full_of_owed_to_no_one(e)
                     self._full_of_replication(e)
                     raise
-                if self.target is None:
-                    raise InsufficientSpaceError(
-                        e.root,
-                        e.needed,
-                        e.free,
-                        f"{len(owed)} checkpoint(s) kept in memory for uploads by another store of this job, "
-                        f"with persist_to: {owed}; this store has none: free memory with store.delete(id), "
-                        "or wait for those uploads",
-                    ) from None
-                failed = [cid for cid in owed if self._upload_status(cid).persist == "failed"]
-                if self.persist_backlog == "wait" and len(failed) < len(owed) and time.monotonic() < deadline:
+                uploading, detail = self._held_for_uploads()
+                waits = self.target is not None and self.persist_backlog == "wait"
+                if waits and uploading and time.monotonic() < deadline:
                     time.sleep(0.2)
                     continue
-                why = (
-                    f"uploads failed for {failed} (see store.status(id).error; store.persist(id) retries)"
-                    if failed
-                    else "uploads are behind saves (see store.status(id)); persist less often or use "
-                    "persist_backlog='wait'"
-                )
-                raise InsufficientSpaceError(
-                    e.root,
-                    e.needed,
-                    e.free,
-                    f"{len(owed)} checkpoint(s) held in memory until uploaded to {self.target.url}: "
-                    f"{owed}; {why}",
-                ) from None
+                raise InsufficientSpaceError(e.root, e.needed, e.free, detail) from None
 
     def _full_of_owed_to_no_one(self, e: InsufficientSpaceError) -> None:
         """Raise ``e`` again, naming the checkpoints owed to a target no running process has open, if any:

@@ -283,6 +283,29 @@ class PersistingStore:
                 owed.append(r.checkpoint_id)
         return owed
 
+    def _held_for_uploads(self) -> tuple[bool, str]:
+        """What the checkpoints held in memory until uploaded (``_owed``) wait for, for the error of a full
+        store: whether some of their uploads may still end (not all failed for good), and per target
+        whose hold keeps them, this store's first, which checkpoints, how their uploads go and what the
+        user can do. Another store's target is named by the URL its store registered
+        (``target_users``)."""
+        by_hold: dict[str, list[str]] = {}
+        for cid in self._owed():
+            for hold in catalog.holds(self.layout, cid):
+                if self._binding(hold):
+                    by_hold.setdefault(hold, []).append(cid)
+        own = target_key(self.target.url) if self.target is not None else None
+        uploading, parts = False, []
+        for hold, cids in sorted(by_hold.items(), key=lambda item: (item[0] != own, item[0])):
+            url = self.target.url if hold == own else target_users.url_of(self.layout, hold)
+            failed = [c for c in cids if url and Progress(self.layout, c, url).upload_state()[0] == "failed"]
+            uploading = uploading or len(failed) < len(cids)
+            if hold == own:
+                parts.append(_held_for_own(url, cids, failed))
+            else:
+                parts.append(_held_for_other(url, hold, cids, failed))
+        return uploading, "; ".join(parts)
+
     def _remote_of_local(self, cid: str, save: catalog.CommitRecord) -> RemoteCheckpoint | None:
         """``_remote(cid, save)``, for files of ``cid`` that cannot be read from this node's memory; a
         FileNotFoundError naming the URL if it was persisted but the copy there is gone."""
@@ -315,3 +338,32 @@ class PersistingStore:
         except Exception as e:  # noqa: BLE001 - reading falls back to what is local
             log.warning("cannot read persisted checkpoint %r from %s: %s", cid, self.target.url, e)
             return None
+
+
+def _held_for_own(url: str, cids: list[str], failed: list[str]) -> str:
+    """The part of a full store's error on checkpoints ``cids`` held until uploaded to its own target at
+    ``url`` (``failed``: those whose upload failed for good)."""
+    why = (
+        f"uploads failed for {failed} (see store.status(id).error; store.persist(id) retries)"
+        if failed
+        else "uploads are behind saves (see store.status(id)); persist less often or use "
+        "persist_backlog='wait'"
+    )
+    return f"{len(cids)} checkpoint(s) held in memory until uploaded to {url}: {cids}; {why}"
+
+
+def _held_for_other(url: str | None, hold: str, cids: list[str], failed: list[str]) -> str:
+    """The part of a full store's error on checkpoints ``cids`` held (retention hold ``hold``) until
+    another open store of the job uploads them to its target at ``url`` (None: that store registered
+    none; ``failed``: those whose upload failed for good): not this store's doing, nor its persist_to's."""
+    target = url or f"the persist_to of another store of this job (hold {hold})"
+    why = (
+        f"their uploads failed for {failed}: store.persist(id) on a store with that persist_to retries them"
+        if failed
+        else "their uploads are under way: wait for them (store.wait_persisted(id) on a store with that "
+        "persist_to)"
+    )
+    return (
+        f"{len(cids)} checkpoint(s) held in memory until uploaded to {target} by another store of this "
+        f"job: {cids}; {why}, or free memory with store.delete(id)"
+    )

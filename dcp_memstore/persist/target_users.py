@@ -10,7 +10,8 @@ checkpoint in memory for good, since no process uploads it there any more.
 
 A store with ``persist_to`` registers its process under ``<job>/targets/<target key>/<token>``, the token
 of the process's liveness lock (``store.liveness``, which the kernel drops when the process dies), until
-the process closes its last store with that target.
+the process closes its last store with that target. The registration holds the target's URL, so that
+another store's errors can name the target whose holds keep memory (the key is a hash of it).
 """
 
 from __future__ import annotations
@@ -20,21 +21,23 @@ import os
 import threading
 from pathlib import Path
 
+from dcp_memstore.persist.progress import target_key
 from dcp_memstore.store import liveness
 from dcp_memstore.store.layout import StoreLayout
+from dcp_memstore.store.records import write_atomic
 
 _DIR = "targets"
 _open: dict[Path, int] = {}  # this process's registrations -> how many of its stores hold each open
 _guard = threading.Lock()
 
 
-def register(layout: StoreLayout, key: str) -> Path:
-    """Record that this process has a store of ``layout``'s job open with the target named ``key``; the
+def register(layout: StoreLayout, url: str) -> Path:
+    """Record that this process has a store of ``layout``'s job open with the target at ``url``; the
     registration, for ``unregister``."""
-    path = layout.job_dir / _DIR / key / liveness.own_token(layout)
+    path = layout.job_dir / _DIR / target_key(url) / liveness.own_token(layout)
     with _guard:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.touch()
+        write_atomic(path, url.encode())
         _open[path] = _open.get(path, 0) + 1
     return path
 
@@ -49,6 +52,22 @@ def unregister(path: Path) -> None:
             _open[path] = left
         else:
             path.unlink(missing_ok=True)
+
+
+def url_of(layout: StoreLayout, key: str) -> str | None:
+    """The URL of the target named ``key`` as a live process of the job that has it open registered it;
+    None if none did (or registered it without one, as earlier versions did)."""
+    d = layout.job_dir / _DIR / key
+    try:
+        tokens = os.listdir(d)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    for token in tokens:
+        if liveness.is_token(token) and liveness.alive(layout, token):
+            with contextlib.suppress(OSError, UnicodeDecodeError):
+                if url := (d / token).read_text():
+                    return url
+    return None
 
 
 def in_use(layout: StoreLayout, key: str) -> bool:

@@ -373,6 +373,38 @@ def test_backlog_wait_does_not_wait_for_uploads_that_failed_for_good(small_tmpfs
         assert time.monotonic() - t0 < 120
 
 
+def test_full_memory_held_for_another_open_store_names_its_target(small_tmpfs, tmp_path):
+    """Store A of the job (persist_to ``a``, every upload failing for good) fills memory with checkpoints
+    it owes to ``a``; store B of the same job (persist_to ``b``, open beside it, so A's holds bind B too)
+    cannot save. B's error names ``a``, not B's own target, as what the checkpoints wait for, with their
+    uploads' failure and what to do (before, it said they were held until uploaded to ``b`` and that
+    B's uploads were behind its saves). A store without persist_to names ``a`` the same way."""
+    a_target, b_target = tmp_path / "a", tmp_path / "b"
+    a_target.mkdir()
+    b_target.mkdir()
+    sd = {"w": torch.randn(512, 1024)}  # 2 MiB per checkpoint in an 8 MiB tmpfs
+    with _tight_store(small_tmpfs, a_target) as a:
+        held = []
+        with pytest.raises(BaseException):  # noqa: B017 - DCP wraps it
+            for i in range(5):
+                save(a, sd, f"s{i}")
+                held.append(f"s{i}")
+                _wait_for_failed(a, f"s{i}")
+        a_url = a.target.url
+        for persist_to in (str(b_target), None):
+            b = MemStore(
+                root=small_tmpfs, job_id="job", keep_in_memory=1, io_threads=1, persist_to=persist_to
+            )
+            with pytest.raises(BaseException) as ei:  # noqa: B017 - DCP wraps it
+                save(b, sd, "b0")
+            b.close()
+            msg = str(ei.value)
+            assert f"{len(held)} checkpoint(s) held in memory until uploaded to {a_url} by another " in msg
+            assert f"store of this job: {held}; their uploads failed for {held}: store.persist(id) on " in msg
+            assert "a store with that persist_to retries them, or free memory with store.delete(id)" in msg
+            assert "until uploaded to " + str(b_target) not in msg and "behind saves" not in msg, msg
+
+
 def test_a_store_without_persist_to_warns_of_owed_checkpoints_and_evicts_them(shm_dir, tmp_path):
     blocked = tmp_path / "blocked"
     with _tight_store(shm_dir, blocked) as store:
