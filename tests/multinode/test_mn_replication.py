@@ -348,7 +348,7 @@ def test_a_rank_that_never_announced_its_server_blocks_neither_status_nor_close(
     (evs, _) = run_job(cluster2, [0, 1], ["close-alone"], tmp_path)
     (closed,) = of(evs, "closed")
     (outcome,) = closed["replication"]
-    assert outcome.startswith("TimeoutError: checkpoint 'step-1' not replicated after 5 s"), closed
+    assert outcome.startswith("TimeoutError: checkpoint 'step-1' not replicated after 5.0 s"), closed
     assert "{'node1': 'unreachable'}" in outcome, closed
     assert closed["wait_s"] < 10 and closed["close_s"] < 10, closed
 
