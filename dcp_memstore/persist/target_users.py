@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from dcp_memstore.persist.progress import target_key
@@ -57,27 +58,33 @@ def unregister(path: Path) -> None:
 def url_of(layout: StoreLayout, key: str) -> str | None:
     """The URL of the target named ``key`` as a live process of the job that has it open registered it;
     None if none did (or registered it without one, as earlier versions did)."""
-    d = layout.job_dir / _DIR / key
-    try:
-        tokens = os.listdir(d)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    for token in tokens:
-        if liveness.is_token(token) and liveness.alive(layout, token):
-            with contextlib.suppress(OSError, UnicodeDecodeError):
-                if url := (d / token).read_text():
-                    return url
+    for registration in _live_registrations(layout, key, tidy=False):
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            if url := registration.read_text():
+                return url
     return None
 
 
 def in_use(layout: StoreLayout, key: str) -> bool:
     """Whether a live process of the job has a store open with the target named ``key``; the
     registrations of dead processes are removed on the way."""
+    return any(True for _ in _live_registrations(layout, key, tidy=True))
+
+
+def _live_registrations(layout: StoreLayout, key: str, tidy: bool) -> Iterator[Path]:
+    """The registration files of the target named ``key`` by live processes of the job (``tidy``: the
+    other files met on the way are removed)."""
     d = layout.job_dir / _DIR / key
     try:
         tokens = os.listdir(d)
     except (FileNotFoundError, NotADirectoryError):
-        return False
+        return
+    for token in tokens:
+        if liveness.is_token(token) and liveness.alive(layout, token):
+            yield d / token
+        elif tidy:
+            with contextlib.suppress(FileNotFoundError):
+                (d / token).unlink()
     for token in tokens:
         if liveness.is_token(token) and liveness.alive(layout, token):
             return True

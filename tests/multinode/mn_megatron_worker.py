@@ -75,6 +75,15 @@ def written(store: MemStore, seed: int, ckpt_dir: str) -> AsyncCallsQueue:
     return queue
 
 
+def finalize(queue: AsyncCallsQueue) -> str | None:
+    """Run the finalize step of the queue's saves; the error it raised on every rank, or None."""
+    try:
+        queue.maybe_finalize_async_calls(blocking=True)
+    except CheckpointException as e:  # DCP's, a BaseException
+        return str(e)
+    return None
+
+
 def attempts(store: MemStore, ckpt_dir: str) -> None:
     rank = dist.get_rank()
     save = MemStoreSaveStrategy(store)
@@ -88,12 +97,7 @@ def attempts(store: MemStore, ckpt_dir: str) -> None:
         os.environ[CRASH_AT] = "write-data:1"
     queue.schedule_async_request(request)
     os.environ.pop(CRASH_AT, None)
-    try:
-        queue.maybe_finalize_async_calls(blocking=True)
-        error = None
-    except CheckpointException as e:  # DCP's, a BaseException
-        error = str(e)
-    emit(event="retried", error=error, committed=store.list_checkpoints())
+    emit(event="retried", error=finalize(queue), committed=store.list_checkpoints())
 
     try:
         mdc.save(state(3), ckpt_dir, sharded_strategy=save)
@@ -111,12 +115,7 @@ def opened(store: MemStore, ckpt_dir: str) -> None:
         d = store.layout.checkpoint_dir(CKPT)
         emit(event="opened", files=sorted(os.listdir(d)) if d.is_dir() else None)
     dist.barrier()
-    try:
-        queue.maybe_finalize_async_calls(blocking=True)
-        error = None
-    except CheckpointException as e:  # DCP's, a BaseException
-        error = str(e)
-    emit(event="finalized", error=error, committed=store.list_checkpoints())
+    emit(event="finalized", error=finalize(queue), committed=store.list_checkpoints())
     try:
         check_loaded(store, ckpt_dir, 4)
         emit(event="loaded", ok=True)
