@@ -3,11 +3,12 @@
 DCP's THREAD executor runs each ``async_save`` in its own thread. Two saves running at once would issue
 their collectives on the same process group in an order that can differ between ranks, which hangs or
 mixes them up. Each staged save gets a ticket in staging order; its background work starts (``begin``)
-only when every earlier ticket's thread has ended. With DCP's PROCESS executor the ticket is bound to the
-executor thread that sends the save to DCP's checkpoint process (``bind``): that thread ends once the
-checkpoint process has answered, and saves are sent in staging order (``wait_sent_in_order``). Whether
-every save sent there has been answered (``sent_saves_answered``) tells the trainer that the directories
-that process began and left uncommitted are failed saves' (it runs one save at a time).
+only when every earlier ticket's save is over there (``Ticket.finished``). With DCP's PROCESS executor the
+ticket is bound to the executor thread that sends the save to DCP's checkpoint process (``bind``): that
+thread ends once the checkpoint process has answered, and saves are sent in staging order
+(``wait_sent_in_order``). Whether every save sent there has been answered (``sent_saves_answered``) tells
+the trainer that the directories that process began and left uncommitted are failed saves' (it runs one
+save at a time).
 """
 
 from __future__ import annotations
@@ -26,14 +27,16 @@ from dcp_memstore.errors import StagingTimeoutError
 from dcp_memstore.store.threads import runs_code_of
 
 
-def _process_executor_file() -> str | None:
-    """The source file of DCP's PROCESS executor, whose thread sends a save to the checkpoint process and
-    waits there for the answer; None in a torch without one."""
-    executor = getattr(state_dict_saver, "_ProcessBasedAsyncCheckpointExecutor", None)
+def _executor_file(name: str) -> str | None:
+    """The source file of DCP's executor class ``name``; None in a torch without it."""
+    executor = getattr(state_dict_saver, name, None)
     return None if executor is None else inspect.getfile(executor)
 
 
-_PROCESS_EXECUTOR_FILE = _process_executor_file()
+# whose thread sends a save to DCP's checkpoint process and waits there for the answer
+_PROCESS_EXECUTOR_FILE = _executor_file("_ProcessBasedAsyncCheckpointExecutor")
+# whose thread runs one save (inside that file's code while it runs), then idles until it is shut down
+_THREAD_EXECUTOR_FILE = _executor_file("_ThreadBasedAsyncCheckpointExecutor")
 
 
 @dataclass
@@ -42,11 +45,23 @@ class Ticket:
     slot: str | None = None  # the staging slot this save's data is in
     thread: threading.Thread | None = None  # the thread running (or sending) the save, once it started
     sent: bool = False  # sent to DCP's checkpoint process (PROCESS executor), which runs it
-    sent_from: str | None = None  # the source file of DCP's executor it was sent from (answered there)
+    # the source file of the DCP executor whose code ``thread`` ran this save in (THREAD executor) or sent
+    # it from (PROCESS executor): once the thread has left that code, the save is over there
+    executor_file: str | None = None
 
     def finished(self) -> bool:
-        """True once this save can no longer issue collectives in this process."""
-        return self.thread is not None and not self.thread.is_alive()
+        """True once this save can no longer issue collectives in this process: its thread has ended, or
+        it is DCP's THREAD executor thread and has left that executor's code. That thread lives on a
+        little after the save's future is set, and a store closed at that moment (``fut.result()``
+        raised, then ``close()``) must still recycle the failed save's staging files."""
+        if self.thread is None:
+            return False
+        if not self.thread.is_alive():
+            return True
+        return not self.sent and self.executor_file is not None and not self._in_executor()
+
+    def _in_executor(self) -> bool:
+        return self.thread is not None and runs_code_of(self.thread, self.executor_file)
 
     def answered(self) -> bool:
         """For a ``sent`` save: True once DCP's checkpoint process has answered, so it no longer runs it:
@@ -54,8 +69,7 @@ class Ticket:
         that sent it from elsewhere (another torch) counts only once it has ended."""
         if self.finished():
             return True
-        waits_in = self.sent_from
-        return self.thread is not None and waits_in is not None and not runs_code_of(self.thread, waits_in)
+        return self.executor_file is not None and not self._in_executor()
 
     def slot_left(self) -> bool:
         """Whether the ticket's staging slot is still on disk (not yet written into a checkpoint)."""
@@ -131,8 +145,8 @@ class SaveOrder:
                 t.thread = threading.current_thread()
                 if sent:
                     t.sent, self._sent = True, True
-                    executor = _PROCESS_EXECUTOR_FILE
-                    t.sent_from = executor if executor and runs_code_of(t.thread, executor) else None
+                executor = _PROCESS_EXECUTOR_FILE if sent else _THREAD_EXECUTOR_FILE
+                t.executor_file = executor if executor and runs_code_of(t.thread, executor) else None
 
     def sent_saves_answered(self) -> bool:
         """Whether saves of the job were sent to DCP's checkpoint process and it has answered every one: it
