@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 import nox
+import tomllib
 
 nox.options.sessions = ["lint", "tests"]
 nox.options.reuse_existing_virtualenvs = True
@@ -86,6 +87,16 @@ def bench_megatron(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def lint(session: nox.Session) -> None:
-    session.install("ruff")
-    session.run("ruff", "check", "dcp_memstore", "tests", "examples", "benchmarks", "noxfile.py")
-    session.run("ruff", "format", "--check", "dcp_memstore", "tests", "examples", "benchmarks", "noxfile.py")
+    """ruff check and ruff format --check of the Python sources, with the ruff pinned in the ``dev`` extra
+    (a new ruff release brings new rules and formatting, which would fail CI on unchanged code)."""
+    session.install(_pinned_ruff())
+    paths = ("dcp_memstore", "tests", "examples", "benchmarks", "noxfile.py")
+    session.run("ruff", "check", *paths)
+    session.run("ruff", "format", "--check", *paths)
+
+
+def _pinned_ruff() -> str:
+    """The ``ruff==...`` requirement of pyproject.toml's ``dev`` extra, its one place."""
+    with open("pyproject.toml", "rb") as f:
+        dev = tomllib.load(f)["project"]["optional-dependencies"]["dev"]
+    return next(req for req in dev if req.startswith("ruff=="))
