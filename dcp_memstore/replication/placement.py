@@ -9,9 +9,17 @@ nowhere. Everything here is a pure function of its arguments (``NodeInfo.from_en
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from dcp_memstore.store.environment import (
+    GROUP_RANK_MEANING,
+    LOCAL_RANK_MEANING,
+    LOCAL_WORLD_SIZE_MEANING,
+    RANK_MEANING,
+    WORLD_SIZE_MEANING,
+    env_int,
+)
 
 
 def _positive_int(value: object, what: str) -> int:
@@ -125,22 +133,19 @@ class NodeInfo:
         (from ``os.environ`` unless ``env`` is given). Missing variables mean a single node: rank 0 of 1,
         ``LOCAL_WORLD_SIZE`` defaulting to ``WORLD_SIZE``, ``LOCAL_RANK`` to ``RANK``, and ``GROUP_RANK`` to
         ``RANK // LOCAL_WORLD_SIZE``. Raises ValueError for values that are not ints or do not fit."""
-        env = os.environ if env is None else env
 
-        def read(name: str, default: int) -> int:
-            raw = env.get(name)
-            if raw is None or raw == "":
-                return default
-            try:
-                return int(raw)
-            except ValueError:
-                raise ValueError(f"environment variable {name}={raw!r} is not an int") from None
+        def read(name: str, default: int, meaning: str) -> int:
+            return env_int(name, default, meaning, env)
 
-        rank = read("RANK", 0)
-        world_size = read("WORLD_SIZE", 1)
-        local_world_size = read("LOCAL_WORLD_SIZE", world_size)
-        local_rank = read("LOCAL_RANK", rank % local_world_size if local_world_size > 0 else rank)
-        node_rank = read("GROUP_RANK", node_of(rank, local_world_size) if local_world_size > 0 else 0)
+        rank = read("RANK", 0, RANK_MEANING)
+        world_size = read("WORLD_SIZE", 1, WORLD_SIZE_MEANING)
+        local_world_size = read("LOCAL_WORLD_SIZE", world_size, LOCAL_WORLD_SIZE_MEANING)
+        local_rank = read(
+            "LOCAL_RANK", rank % local_world_size if local_world_size > 0 else rank, LOCAL_RANK_MEANING
+        )
+        node_rank = read(
+            "GROUP_RANK", node_of(rank, local_world_size) if local_world_size > 0 else 0, GROUP_RANK_MEANING
+        )
         return cls(
             node_rank=node_rank,
             nnodes=nodes_in(world_size, local_world_size),

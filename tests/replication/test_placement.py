@@ -118,3 +118,9 @@ def test_node_info_defaults_to_one_node(monkeypatch: pytest.MonkeyPatch) -> None
 def test_node_info_bad_env(env: dict[str, str]) -> None:
     with pytest.raises(ValueError):
         NodeInfo.from_env(env)
+
+
+def test_node_info_names_the_variable_that_is_no_int() -> None:
+    expected = r"\$GROUP_RANK='one' is not an int \(torchrun's rank of this node\)"
+    with pytest.raises(ValueError, match=expected):
+        NodeInfo.from_env({"RANK": "0", "WORLD_SIZE": "2", "GROUP_RANK": "one"})
