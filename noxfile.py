@@ -39,7 +39,7 @@ def _constraints(session: nox.Session) -> str:
 def tests(session: nox.Session) -> None:
     """The test suite (GPU tests skip without CUDA; the Megatron-Core strategies are tested too)."""
     _install(session, "dev,megatron")
-    session.run("pytest", "-q", *session.posargs)
+    session.run("pytest", "-q", "--durations=25", *session.posargs)  # the slowest tests, in CI's log too
 
 
 @nox.session(python="3.11")

@@ -39,6 +39,13 @@ def _remove_contents(d: Path) -> None:
     MAPPINGS.prune()
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Move what collection imported (torch, Megatron, the test modules) into the garbage collector's
+    permanent generation: full collections then skip those objects, and processes forked from this one
+    do not copy their pages when their own collector would write to every object's header."""
+    gc.freeze()
+
+
 @pytest.fixture
 def shm_dir():
     """A fresh, empty directory on /dev/shm (tmpfs), removed with everything in it afterwards."""
