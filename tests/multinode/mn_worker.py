@@ -121,8 +121,10 @@ def save(args, store: MemStore, mesh) -> None:
         unreachable(store, f"step-{args.unreachable}", Path(args.tmp))
     if args.waiting:
         waiting(store, f"step-{args.waiting}", Path(args.tmp))
-    if args.not_here and dist.get_rank() == 1:
-        not_here(store, f"step-{args.not_here}")
+    if args.not_here:
+        dist.barrier()  # every rank's own wait_replicated has seen the replicas before rank 1 deletes its own
+        if dist.get_rank() == 1:
+            not_here(store, f"step-{args.not_here}")
     if args.serve_until:
         svc = store.replication()
         emit(event="serving", addr=list(svc.peers().server(svc.node.node_rank)))
