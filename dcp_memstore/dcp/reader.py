@@ -226,9 +226,16 @@ class MemoryStorageReader(StorageReader):
                 planner.commit_tensor(r.req, r.dst)
 
     def _read_runs(self, runs: list[list[_Read]]) -> None:
-        """Read ``runs`` one after another, each the reads of one file."""
-        for run in runs:
-            self._read_file_or_fall_back(run)
+        """Read ``runs`` one after another, each the reads of one file; return once the copies into GPU
+        destinations are done. A host-to-device ``copy_`` into a destination that is not contiguous (DCP's
+        resharding narrows destinations, a transposed or channels-last parameter) lands in a temporary
+        and ends with a device-side copy that is only queued, on this thread's stream, which the caller's
+        own current stream is not ordered after."""
+        try:
+            for run in runs:
+                self._read_file_or_fall_back(run)
+        finally:
+            finish_queued_work(r.dst for run in runs for r in run if r.dst is not None)
 
     def _read_file_or_fall_back(self, reads: list[_Read]) -> None:
         """Read one file's items from the nearest tier that has it intact: this node's copy, else a replica

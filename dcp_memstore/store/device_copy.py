@@ -28,7 +28,8 @@ def finish_queued_work(tensors: Iterable[torch.Tensor]) -> None:
     is done, before other threads copy from or into them: their copies run on their own current stream, the
     GPU's default stream, which is not ordered after a stream the caller made current (torch's streams do
     not synchronize with the default stream), so they would read values not computed yet, or be overwritten
-    by work queued before them. A no-op for tensors not on a GPU."""
+    by work queued before them. For the same reason an I/O thread calls it after its copies into them,
+    before the caller uses them. A no-op for tensors not on a GPU."""
     for device in {cuda_index(t.device) for t in tensors if t.device.type == "cuda"}:
         torch.cuda.current_stream(device).synchronize()
 

@@ -167,6 +167,27 @@ def test_load_waits_for_work_queued_on_the_callers_stream(two_file_store):
     assert torch.equal(y, torch.full_like(y, 4.0))
 
 
+def test_load_into_non_contiguous_destinations_is_done_when_it_returns(two_file_store):
+    """dcp.load into GPU destinations that are not contiguous (a transposed parameter; DCP's resharding
+    narrows destinations too), called under the trainer's own stream: when it returns, the I/O threads'
+    copies have landed, including the device-side copy out of the temporary that a host-to-device copy_
+    into such a destination ends with, which the I/O thread only queues on the GPU's default stream."""
+    rows, cols = 1 << 20, 64  # 256 MiB each; written transposed, so the device-side copy is slow
+    x, y = torch.randn(rows, cols, device="cuda"), torch.randn(rows, cols, device="cuda")
+    dcp.save(
+        {"x": x, "y": y}, checkpoint_id="nc", storage_writer=MemoryStorageWriter(two_file_store), no_dist=True
+    )
+    out = {"x": torch.zeros(cols, rows, device="cuda").t(), "y": torch.zeros(cols, rows, device="cuda").t()}
+    assert not out["x"].is_contiguous()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        dcp.load(out, checkpoint_id="nc", storage_reader=MemoryStorageReader(two_file_store), no_dist=True)
+        assert torch.cuda.default_stream().query()  # nothing the I/O threads queued is still running
+        same = [torch.equal(out[k], v) for k, v in (("x", x), ("y", y))]  # read on the trainer's stream
+    assert same == [True, True]
+
+
 def test_async_save_waits_for_gpu_work_queued_before_it(store):
     """The side stream starts after what the trainer queued: a fill still behind a long kernel is saved."""
     x = torch.zeros(64 << 20, device="cuda")  # 256 MiB
