@@ -264,18 +264,25 @@ def torchrun_argv(
     master_addr: str = "127.0.0.1",
     master_port: int = 29500,
     python: str = sys.executable,
+    agent: Sequence[str] = ("-m", "torch.distributed.run"),
+    worker: Sequence[str] | None = None,
 ) -> list[str]:
     """argv of ``python -m torch.distributed.run`` for node ``node_rank`` of a static ``nnodes`` job
-    (the default static rendezvous: node 0's agent hosts the store on ``master_addr:master_port``)."""
+    (the default static rendezvous: node 0's agent hosts the store on ``master_addr:master_port``).
+
+    ``agent`` replaces ``-m torch.distributed.run`` (``-c CODE``, code that ends by calling its main);
+    ``worker``, when given, is the command each worker runs ``script`` with (torchrun's ``--no-python``)
+    instead of torchrun's own ``python -u``."""
+    start = [] if worker is None else ["--no-python", *worker]
     return [
         python,
-        "-m",
-        "torch.distributed.run",
+        *agent,
         f"--nnodes={nnodes}",
         f"--node-rank={node_rank}",
         f"--nproc-per-node={nproc_per_node}",
         f"--master-addr={master_addr}",
         f"--master-port={master_port}",
+        *start,
         str(script),
         *(str(a) for a in args),
     ]

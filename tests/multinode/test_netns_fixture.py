@@ -226,6 +226,9 @@ def test_torchrun_argv():
         "--steps",
         "3",
     ]
+    argv = torchrun_argv(0, 2, 1, "/x/w.py", [7], python="py", agent=["-c", "A"], worker=["py", "-c", "W"])
+    assert argv[:3] == ["py", "-c", "A"], argv  # the agent: code that calls torchrun's main
+    assert argv[-6:] == ["--no-python", "py", "-c", "W", "/x/w.py", "7"], argv  # workers run `py -c W`
 
 
 def test_close_leaves_nothing_even_when_the_test_fails(netns_ok):
