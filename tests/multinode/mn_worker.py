@@ -75,9 +75,15 @@ def global_weight(step: int, mib: int) -> torch.Tensor:
     return torch.randn(mib * 256, ROW, generator=g)
 
 
+def sharded(full: torch.Tensor, mesh) -> torch.Tensor:
+    """``full`` as a DTensor sharded over the ranks by rows. Every rank holds the same ``full`` (made from
+    a seed), so each keeps its own rows: nothing is sent from rank 0 (``src_data_rank=None``)."""
+    return distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)
+
+
 def state(step: int, mib: int, mesh) -> dict:
     bias = torch.arange(1000, dtype=torch.float64) * step
-    return {"w": distribute_tensor(global_weight(step, mib), mesh, [Shard(0)]), "bias": bias, "step": step}
+    return {"w": sharded(global_weight(step, mib), mesh), "bias": bias, "step": step}
 
 
 def wait_for(path: Path, timeout: float) -> None:
@@ -305,7 +311,7 @@ def load(args, store: MemStore, mesh) -> None:
     step = int(cid.split("-")[1])
     expected = state(step, args.mib, mesh)
     sd = {
-        "w": distribute_tensor(torch.zeros(args.mib * 256, ROW), mesh, [Shard(0)]),
+        "w": sharded(torch.zeros(args.mib * 256, ROW), mesh),
         "bias": torch.zeros(1000, dtype=torch.float64),
         "step": -1,
     }
