@@ -32,10 +32,10 @@
           is replicated, and closes it; rank 1 never creates one (as a rank that failed before), so rank
           0's replicator is still waiting for its server's address.
     dead-peer: rank 1 is SIGKILLed before it creates its MemStore; rank 0, once the test saw it die
-          (file ``dead``), creates its MemStore (``stage_timeout_s=10``, with ``--persist-to``) and
-          reports how asking ``status`` of step N (not in its memory), then ``wait_persisted`` of it,
-          ended and how long each took. With ``--late S``, rank 1 instead creates its MemStore S seconds
-          late, and rank 0 only asks ``status``, at once.
+          (file ``dead``), creates its MemStore (``stage_timeout_s`` of ``--grace`` seconds, 10 unless
+          given; with ``--persist-to``) and reports how asking ``status`` of step N (not in its memory),
+          then ``wait_persisted`` of it, ended and how long each took. With ``--late S``, rank 1
+          instead creates its MemStore S seconds late, and rank 0 only asks ``status``, at once.
 
 Every event is one line ``@@mn {json}`` on stdout (the test reads the node logs).
 """
@@ -353,13 +353,15 @@ def dead_peer(args) -> None:
         if args.late is None:
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(args.late)
-        store = MemStore(job_id=args.job, stage_timeout_s=10)
+        store = MemStore(job_id=args.job, stage_timeout_s=args.grace)
         dist.barrier()
         store.close()
         return
     if args.late is None:
         wait_for(Path(args.tmp) / "dead", 120)
-    store = MemStore(job_id=args.job, persist_to=args.persist_to, stage_timeout_s=10, replication_timeout_s=3)
+    store = MemStore(
+        job_id=args.job, persist_to=args.persist_to, stage_timeout_s=args.grace, replication_timeout_s=3
+    )
     opened = time.monotonic()
     cid = f"step-{args.steps}"
     attempts = {"status": lambda: store.status(cid).persist}
@@ -404,6 +406,7 @@ def main() -> None:
     p.add_argument("--serve-until", default=None, help="after saving, serve until this file appears in --tmp")
     p.add_argument("--gate", type=int, default=0, help="after this step is replicated, wait for --tmp/go")
     p.add_argument("--late", type=float, default=None, help="dead-peer: rank 1 opens its store this late")
+    p.add_argument("--grace", type=float, default=10, help="dead-peer: stage_timeout_s")
     p.add_argument("--hang", action="store_true", help="after saving, wait to be killed")
     p.add_argument("--settle", action="store_true", help="after saving, wait until --keep are left")
     args = p.parse_args()
