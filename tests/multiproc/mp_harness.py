@@ -37,12 +37,16 @@ LOG_TAIL_CHARS = 4000  # of each rank's output, in a failed job's message
 
 
 def _context() -> Any:
-    """Ranks are forked from a server process that imported torch and dcp_memstore once, instead of each
-    spawned rank importing them anew (seconds per rank on 2 cores). A forked rank inherits the server's
-    stdout and stderr, not the test's, so each rank writes its output to ``rank<r>.log`` (see ``errors``),
-    and it gets the parent's environment as it is when the job starts, as a spawned one would."""
+    """Ranks are forked from a server process that imported torch, dcp_memstore and Megatron-Core once,
+    instead of each spawned rank importing them anew (seconds per rank on 2 cores). A forked rank inherits
+    the server's stdout and stderr, not the test's, so each rank writes its output to ``rank<r>.log`` (see
+    ``errors``), and it gets the parent's environment as it is when the job starts, as a spawned one
+    would."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "dcp_memstore"])
+    # what is not installed (Megatron-Core) is skipped by the forkserver
+    ctx.set_forkserver_preload(
+        ["torch", "torch.distributed.checkpoint", "dcp_memstore", "megatron.core.dist_checkpointing"]
+    )
     return ctx
 
 
