@@ -76,6 +76,7 @@ class MemoryStorageReader(StorageReader):
         self._storage_data: dict[MetadataIndex, ShardLocation] = {}
         self._loaded = False
         self._deferred_error: Exception | None = None  # of reset(), raised where every rank plans the load
+        self._read_error: Exception | None = None  # of this load's read_metadata (see _rank_local_metadata)
         self._hold: weakref.finalize | None = None  # releases this load's retention hold, once
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -83,7 +84,7 @@ class MemoryStorageReader(StorageReader):
         not at all when that is None). DCP's older entry points (``load_state_dict``,
         ``load_sharded_optimizer_state_dict``) call it without one: the next load then reads the checkpoint
         this reader was last aimed at, as a ``FileSystemReader`` reads its path."""
-        self._storage_data, self._loaded, self._deferred_error = {}, False, None
+        self._storage_data, self._loaded, self._deferred_error, self._read_error = {}, False, None, None
         try:
             if checkpoint_id is None:
                 if self.checkpoint_id is None:
@@ -104,11 +105,30 @@ class MemoryStorageReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if "rank" in kwargs:
-            # DCP's fallback after a failed read: it would go on without collectives on this rank alone,
-            # while the other ranks wait in them. There is no rank-local metadata: fail the load everywhere.
+            return self._rank_local_metadata()
+        self._read_error = None
+        try:
+            return self._read_metadata()
+        except Exception as e:
+            self._read_error = e
+            raise
+
+    def _rank_local_metadata(self) -> Metadata:
+        """DCP's fallback after a failed ``read_metadata()``. There is no rank-local metadata, and a load
+        that went on without collectives on this rank alone would leave the other ranks waiting in them.
+
+        Where this load's read failed, the answer is an empty metadata that lets DCP go on to
+        ``set_up_storage_reader``, which raises that read's error, where every rank plans the load. DCP
+        before 2.12 drops the errors of both reads and raises a bare ``AssertionError: metadata is None``,
+        so the user would never see why the checkpoint could not be read (a corrupt manifest, a missing
+        checkpoint id); 2.12 and later put the two messages in that AssertionError's text."""
+        if self._read_error is None:
             raise ValueError(
                 "MemoryStorageReader has no rank-local metadata; the checkpoint's could not be read"
             )
+        return Metadata(state_dict_metadata={})
+
+    def _read_metadata(self) -> Metadata:
         if self._deferred_error is not None:
             raise self._deferred_error
         src = self._source
@@ -171,6 +191,9 @@ class MemoryStorageReader(StorageReader):
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
+        if self._read_error is not None:  # DCP went on with _rank_local_metadata's stand-in
+            error, self._read_error = self._read_error, None
+            raise error
         if not self._storage_data:
             self._storage_data = dict(metadata.storage_data)
 
