@@ -9,7 +9,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from mp_harness import MultiProc, assert_bit_equal, blank_like, make_tensor
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+try:
+    from torch.distributed.checkpoint import FsspecReader  # torch 2.15 and later, as docs/usage.md says
+except ImportError:
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
 from dcp_memstore import MemoryStorageReader, MemoryStorageWriter, MemStore
 from dcp_memstore.persist.progress import Progress

@@ -847,7 +847,8 @@ def test_deleting_a_checkpoint_whose_upload_failed_removes_what_it_left_in_the_t
         with pytest.raises(PersistError, match="IsADirectoryError"):
             store.wait_persisted("c", timeout=60)
         assert (bucket_dir / "c" / "__0_0.distcp").is_file()
-        with pytest.raises(CheckpointException, match=r"No such file .*/c/\.metadata"):  # not a checkpoint
+        assert not (bucket_dir / "c" / ".metadata").exists()  # what stock DCP reads first: not a checkpoint
+        with pytest.raises(CheckpointException):  # torch 2.10 and 2.11 say only 'metadata is None'
             dcp.load(
                 blank_like(_state(2)), storage_reader=dcp.FileSystemReader(bucket_dir / "c"), no_dist=True
             )
