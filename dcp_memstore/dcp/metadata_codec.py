@@ -2,7 +2,9 @@
 
 Covers what DCP's planners put there: tensor and bytes storage metadata, the planner's flattening map
 (tuples of str/int), storage meta and version. Anything else in ``planner_data`` raises a TypeError that
-names the offending value at save time, never a silent loss.
+names the offending value at save time, never a silent loss. A tensor's strides, which DCP records from
+torch 2.15 on, are kept where DCP gave them and given back where the installed torch has the field, so a
+checkpoint moves between torch releases as DCP's own pickled metadata does.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ _MEMORY_FORMATS = {
 }
 _MEMORY_FORMAT_NAMES = {v: k for k, v in _MEMORY_FORMATS.items()}
 _TUPLE = "__tuple__"
+_HAS_STRIDES = "strides" in TensorProperties.__dataclass_fields__  # torch 2.15 and later
 
 
 def _plain(value: Any, where: str) -> Any:
@@ -70,7 +73,7 @@ def _encode_storage_md(md: Any) -> dict:
     if isinstance(md, BytesStorageMetadata):
         return {"kind": "bytes"}
     p = md.properties
-    return {
+    encoded = {
         "kind": "tensor",
         "dtype": dtype_name(p.dtype),
         "requires_grad": bool(p.requires_grad),
@@ -79,6 +82,10 @@ def _encode_storage_md(md: Any) -> dict:
         "size": list(md.size),
         "chunks": [[list(c.offsets), list(c.sizes)] for c in md.chunks],
     }
+    strides = getattr(p, "strides", None)
+    if strides is not None:
+        encoded["strides"] = [int(x) for x in strides]
+    return encoded
 
 
 def _decode_storage_md(r: dict) -> Any:
@@ -90,6 +97,8 @@ def _decode_storage_md(r: dict) -> Any:
         memory_format=_MEMORY_FORMATS[r["memory_format"]],
         pin_memory=r["pin_memory"],
     )
+    if _HAS_STRIDES and r.get("strides") is not None:
+        props.strides = tuple(r["strides"])
     chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in r["chunks"]]
     return TensorStorageMetadata(properties=props, size=torch.Size(r["size"]), chunks=chunks)
 

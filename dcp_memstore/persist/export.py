@@ -26,6 +26,9 @@ from dcp_memstore.store.manifest import ManifestItem, dtype_from_name
 from dcp_memstore.store.mapping import MAPPINGS
 
 BLOCK_SIZE = 16 << 20  # multipart part size: bounds the persister's memory per concurrent upload
+# What torch's FileSystemWriter stamps as the version of the checkpoints whose files it frames as these
+# are; the stock .metadata of a persisted checkpoint says it too, so stock readers take it for theirs.
+STOCK_FORMAT_VERSION = "1.0.0"
 
 
 def remote_name(local_name: str) -> str:

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_memstore.dcp.metadata_codec import decode_metadata
-from dcp_memstore.persist.export import PersistedItem, remote_name
+from dcp_memstore.persist.export import STOCK_FORMAT_VERSION, PersistedItem, remote_name
 from dcp_memstore.persist.target import (
     COMMITTED,
     MANIFEST,
@@ -88,7 +88,9 @@ def publish(
         storage[MetadataIndex(it.fqn, it.chunk_offset)] = _StorageInfo(name, p.offset, p.length)
     remote = Manifest(cid, manifest.world_size, remote_items, manifest.dcp, manifest.created)
     target.put_atomic(target.path(cid, MANIFEST), remote.encode())
-    target.put_atomic(target.path(cid, STOCK_METADATA), pickle.dumps(decode_metadata(manifest.dcp, storage)))
+    stock = decode_metadata(manifest.dcp, storage)
+    stock.version = STOCK_FORMAT_VERSION
+    target.put_atomic(target.path(cid, STOCK_METADATA), pickle.dumps(stock))
     before_marker()
     target.put_atomic(target.path(cid, COMMITTED), msgpack.packb(commit.to_record()))
 

@@ -131,6 +131,20 @@ def test_dtypes_scalars_and_non_contiguous_tensors_round_trip_bit_exact(store, m
     assert bits(out["special"])[4:8].tolist() != [0, 0, 0, 0]  # -0.0 kept its sign bit
 
 
+def test_a_load_sees_the_dcp_metadata_that_filesystemwriter_records(store, tmp_path):
+    """What DCP recorded of every value (dtype, size, chunks, tensor properties and, from torch 2.15 on,
+    strides) and the planner's data reach a load as DCP's own pickled metadata gives them, also for
+    non-contiguous tensors."""
+    sd = {**_odd_tensors(), "nested": {"step": 3, "name": "run"}}
+    save(store, sd, "m")
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path), no_dist=True)
+    reader = MemoryStorageReader(store)
+    reader.reset("m")
+    ours, stock = reader.read_metadata(), dcp.FileSystemReader(tmp_path).read_metadata()
+    assert ours.state_dict_metadata == stock.state_dict_metadata
+    assert ours.planner_data == stock.planner_data
+
+
 def test_load_into_non_contiguous_destinations(store):
     sd = {"w": torch.randn(6, 4), "c": torch.randn(2, 3, 4, 5)}
     save(store, sd, "s")

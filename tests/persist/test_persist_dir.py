@@ -91,6 +91,24 @@ print("STOCK-OK")
     assert "STOCK-OK" in res.stdout, res.stderr[-3000:]
 
 
+def test_the_persisted_metadata_says_what_filesystemwriter_says_of_the_same_state(
+    shm_dir, bucket_dir, tmp_path
+):
+    """A persisted checkpoint's stock .metadata gives what FileSystemWriter's gives of the same state dict:
+    every value's storage metadata, the planner's data, and the version of the file format its files are
+    in, so stock readers, of this torch and later ones, take it for one of their own."""
+    sd = _state(3)
+    with _pstore(shm_dir, bucket_dir) as store:
+        save(store, sd, "c")
+        store.persist("c")
+        store.wait_persisted("c", timeout=60)
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path / "stock"), no_dist=True)
+    ours = dcp.FileSystemReader(bucket_dir / "c").read_metadata()
+    stock = dcp.FileSystemReader(tmp_path / "stock").read_metadata()
+    assert ours.state_dict_metadata == stock.state_dict_metadata
+    assert (ours.planner_data, ours.version) == (stock.planner_data, stock.version)
+
+
 def _evict_at_first_persisted_read(store: MemStore, monkeypatch) -> list[str]:
     """Make the first read of a checkpoint's PERSISTED record evict that checkpoint first (a real
     discard, at a point no real timing hits reliably); returns the list of what it evicted."""
