@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
 import torch.distributed.checkpoint as dcp
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -26,7 +27,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     _unwrap_pyt_sharded_tensor,
     mcore_to_pyt_state_dict,
 )
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from dcp_memstore.dcp.reader import MemoryStorageReader
 from dcp_memstore.megatron.checkpoint_dir import (
@@ -94,10 +95,18 @@ class MemStoreLoadStrategy(TorchDistLoadShardedStrategy):
     def load_tensors_metadata(
         self, checkpoint_dir: str | os.PathLike, metadata: Metadata | None = None
     ) -> dict[str, Any]:
-        """Global shape and dtype of every tensor in the checkpoint (as ShardedTensors without data)."""
+        """Global shape and dtype of every tensor in the checkpoint (as ShardedTensors without data).
+
+        What Megatron's torch_dist strategy returns, made without its ``torch.empty(**properties.__dict__)``:
+        DCP's tensor properties hold ``strides`` from torch 2.15 on, which ``torch.empty`` refuses, so
+        Megatron-Core 0.16.1's own version fails there for every checkpoint."""
         if metadata is None:
             metadata = self._metadata(checkpoint_dir)
-        return super().load_tensors_metadata(checkpoint_dir, metadata)
+        return {
+            key: ShardedTensor.from_rank_offsets(key, _meta_tensor(md)).without_data()
+            for key, md in metadata.state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata)
+        }
 
     def load_sharded_metadata(self, checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
         """``load_tensors_metadata`` plus the checkpoint's ShardedObjects (without data)."""
@@ -121,6 +130,20 @@ class MemStoreLoadStrategy(TorchDistLoadShardedStrategy):
         reader = MemoryStorageReader(self.store)
         reader.reset(resolve_checkpoint_id(checkpoint_dir, self.store))
         return reader.read_metadata()
+
+
+def _meta_tensor(md: TensorStorageMetadata) -> torch.Tensor:
+    """A tensor on the meta device with the global size and the properties DCP recorded of ``md``."""
+    p = md.properties
+    return torch.empty(
+        md.size,
+        dtype=p.dtype,
+        layout=p.layout,
+        requires_grad=p.requires_grad,
+        memory_format=p.memory_format,
+        pin_memory=p.pin_memory,
+        device="meta",
+    )
 
 
 class StoreNeededLoadStrategy(LoadShardedStrategy):

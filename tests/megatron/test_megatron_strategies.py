@@ -42,6 +42,13 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (  # noqa
     FullyParallelSaveStrategyWrapper,
 )
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+from torch.distributed.checkpoint.metadata import (  # noqa: E402
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from dcp_memstore import MemStore  # noqa: E402
 from dcp_memstore.megatron import (  # noqa: E402
@@ -484,3 +491,22 @@ def test_async_fn_does_not_raise_when_it_cannot_even_record_its_outcome(tmp_path
 
     _write_rank(FullTmpfs(), None, None, str(tmp_path / "gone" / "record"))  # type: ignore[arg-type]
     assert not (tmp_path / "gone").exists()
+
+
+def test_tensors_metadata_of_properties_with_strides_gives_shape_and_dtype(shm_dir: str) -> None:
+    """torch 2.15 records a tensor's strides in DCP's tensor properties, and ``torch.empty`` refuses them
+    (Megatron-Core 0.16.1's own ``load_tensors_metadata`` fails on every checkpoint there). The properties
+    of the torch installed here are given that field by hand, as torch 2.15 records it."""
+    props = TensorProperties(dtype=torch.bfloat16)
+    props.strides = (3, 1)
+    chunk = ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([4, 3]))
+    md = Metadata(
+        state_dict_metadata={
+            "w": TensorStorageMetadata(properties=props, size=torch.Size([4, 3]), chunks=[chunk]),
+            "obj": BytesStorageMetadata(),
+        }
+    )
+    with MemStore(root=shm_dir, job_id=JOB_ID) as store:
+        out = MemStoreLoadStrategy(store).load_tensors_metadata("unused", md)
+    assert list(out) == ["w"]  # tensors only, as Megatron's torch_dist strategy gives
+    assert (out["w"].global_shape, out["w"].dtype, out["w"].data) == ((4, 3), torch.bfloat16, None)
