@@ -1,6 +1,6 @@
 """Developer sessions: ``nox -s tests``, ``nox -s demo``, ``nox -s bench``, ``nox -s bench_persist``,
 ``nox -s bench_replication``, ``nox -s bench_megatron``, ``nox -s example``,
-``nox -s lint``.
+``nox -s lint``, ``nox -s compat``.
 
 Every session installs torch 2.13.0 first, by exact version, so that installing this package (whose
 dependency on torch is a range) never pulls another torch build. ``DCP_MEMSTORE_TORCH`` replaces that
@@ -19,19 +19,21 @@ nox.options.sessions = ["lint", "tests"]
 nox.options.reuse_existing_virtualenvs = True
 
 TORCH = os.environ.get("DCP_MEMSTORE_TORCH", "torch==2.13.0")
+# The oldest torch the package supports (dcp_memstore/torch_support.py) and the newest one tested.
+COMPAT_TORCH = ("2.10.0", "2.15.0")
 
 
-def _install(session: nox.Session, extras: str = "dev") -> None:
-    session.install(TORCH)
+def _install(session: nox.Session, extras: str = "dev", torch: str = TORCH) -> None:
+    session.install(torch)
     spec = f".[{extras}]" if extras else "."
-    session.install("-e", spec, "--constraint", _constraints(session))
+    session.install("-e", spec, "--constraint", _constraints(session, torch))
 
 
-def _constraints(session: nox.Session) -> str:
+def _constraints(session: nox.Session, torch: str) -> str:
     """A pip constraints file pinning torch to the version just installed, for every later install."""
     path = os.path.join(session.create_tmp(), "constraints.txt")
     with open(path, "w") as f:
-        f.write(TORCH + "\n")
+        f.write(torch + "\n")
     return path
 
 
@@ -40,6 +42,18 @@ def tests(session: nox.Session) -> None:
     """The test suite (GPU tests skip without CUDA; the Megatron-Core strategies are tested too)."""
     _install(session, "dev,megatron")
     session.run("pytest", "-q", "--durations=25", *session.posargs)  # the slowest tests, in CI's log too
+
+
+@nox.session(python="3.11")
+@nox.parametrize("torch", COMPAT_TORCH)
+def compat(session: nox.Session, torch: str) -> None:
+    """The test suite under the oldest supported torch and the newest tested one (not run by CI).
+
+    The ``tests`` session pins one release; this one checks the range the package claims
+    (docs/compatibility.md). PyPI's torch builds for Linux are CUDA builds of several GB each, which is
+    why CI does not run it."""
+    _install(session, "dev,megatron", torch=f"torch=={torch}")
+    session.run("pytest", "-q", *session.posargs)
 
 
 @nox.session(python="3.11")

@@ -7,6 +7,12 @@ commit protocol, retention, the newest-checkpoint query, the replication of each
 storage in the standard DCP layout.
 """
 
+import torch
+
+from dcp_memstore.torch_support import require_supported_torch
+
+require_supported_torch(torch.__version__)  # before the modules that use DCP are imported
+
 from dcp_memstore.dcp.reader import MemoryStorageReader
 from dcp_memstore.dcp.writer import MemoryStorageWriter
 from dcp_memstore.errors import (
