@@ -119,7 +119,7 @@ class MemoryStorageReader(StorageReader):
 
         Where this load's read failed, the answer is an empty metadata that lets DCP go on to
         ``set_up_storage_reader``, which raises that read's error, where every rank plans the load. DCP
-        before 2.12 drops the errors of both reads and raises a bare ``AssertionError: metadata is None``,
+        2.10 and 2.11 drop the errors of both reads and raise a bare ``AssertionError: metadata is None``,
         so the user would never see why the checkpoint could not be read (a corrupt manifest, a missing
         checkpoint id); 2.12 and later put the two messages in that AssertionError's text."""
         if self._read_error is None:
