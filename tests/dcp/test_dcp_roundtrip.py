@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import types
 
@@ -20,6 +21,13 @@ from dcp_state import (
     snapshot,
 )
 from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.testing._internal.two_tensor import TwoTensor
 
 from dcp_memstore import MemoryStorageReader, MemoryStorageWriter, MemStore
@@ -143,6 +151,25 @@ def test_a_load_sees_the_dcp_metadata_that_filesystemwriter_records(store, tmp_p
     ours, stock = reader.read_metadata(), dcp.FileSystemReader(tmp_path).read_metadata()
     assert ours.state_dict_metadata == stock.state_dict_metadata
     assert ours.planner_data == stock.planner_data
+
+
+# The fields of DCP's metadata classes that dcp_memstore/dcp/metadata_codec.py stores (a TensorProperties'
+# layout is not stored: DCP saves strided tensors only, and a decoded one says so).
+_CODEC_FIELDS = {
+    Metadata: {"state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version"},
+    TensorProperties: {"dtype", "layout", "requires_grad", "memory_format", "pin_memory", "strides"},
+    TensorStorageMetadata: {"properties", "size", "chunks"},
+    ChunkStorageMetadata: {"offsets", "sizes"},
+    StorageMeta: {"checkpoint_id", "save_id", "load_id", "modules"},
+}
+
+
+@pytest.mark.parametrize("cls", list(_CODEC_FIELDS), ids=lambda c: c.__name__)
+def test_the_manifest_stores_every_field_of_dcps_metadata(cls):
+    """A torch release that adds a field to DCP's metadata (torch 2.15 added strides) fails here, under
+    ``nox -s compat``, instead of having the field dropped from every manifest without a word."""
+    new = {f.name for f in dataclasses.fields(cls)} - _CODEC_FIELDS[cls]
+    assert not new, f"DCP's {cls.__name__} has fields {sorted(new)} that dcp/metadata_codec.py does not store"
 
 
 def test_load_into_non_contiguous_destinations(store):
