@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 
 from dcp_memstore.dcp.save_order import SaveApi
 from dcp_memstore.dcp.writer import MemoryStorageWriter
+from dcp_memstore.megatron import fork_guard
 from dcp_memstore.megatron.checkpoint_dir import (
     BACKEND,
     VERSION,
@@ -101,6 +102,7 @@ class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
         super().__init__(BACKEND, VERSION, keep_only_main_replica=True)
         self.store = store
         self.saves_committed = 0
+        fork_guard.install()  # Megatron forks the trainer for each write; see fork_guard
 
     def async_save(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike
