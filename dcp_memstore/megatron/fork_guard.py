@@ -16,7 +16,7 @@ thread waiting for the GIL can finish and drop its thread state, and then wait u
 lock (``sys._current_frames()`` takes it; a holder needs no GIL to release it). This narrows the window
 but cannot close it from Python: a thread may still take the lock between this hook and the fork.
 Under Python 3.10.13 the writer-crash Megatron test hung in 5 of 71 runs without it, and in none of 71
-runs with it (docs/troubleshooting.md). Python >= 3.12 rules the hang out.
+runs with it (docs/compatibility.md). Python >= 3.12 rules the hang out, per the CPython issue.
 """
 
 from __future__ import annotations
@@ -28,11 +28,9 @@ import time
 
 # CPython releases whose forked child takes the thread-state lock before re-creating it
 AFFECTED = sys.version_info < (3, 12)
+YIELD_S = 0.001  # the GIL is let go this long before each fork
 _installed = False
 _lock = threading.Lock()
-
-
-YIELD_S = 0.001  # the GIL is let go this long before each fork
 
 
 def wait_for_thread_state_lock() -> None:
