@@ -79,7 +79,9 @@ MEGATRON_SAVE = SaveApi(
     call="dist_checkpointing.save",
     check="finalize the AsyncRequests of earlier dist_checkpointing.save calls "
     "(AsyncCallsQueue.maybe_finalize_async_calls, which raises a failed save's error) and check that each "
-    "was scheduled (AsyncCallsQueue.schedule_async_request) or run (AsyncRequest.execute_sync)",
+    "was scheduled (AsyncCallsQueue.schedule_async_request) or run (AsyncRequest.execute_sync), by a "
+    "Megatron async worker that lives: a dead persistent worker (AsyncCallsQueue(persistent=True)) runs "
+    "nothing it is sent, and a forked writer can hang in os.fork() under Python < 3.12",
 )
 
 

@@ -1,0 +1,239 @@
+"""Megatron's persistent checkpoint worker (``AsyncCallsQueue(persistent=True)``) with our strategy, on 2
+gloo ranks.
+
+Megatron-LM's ``--use-persistent-ckpt-worker`` gives each rank one spawned worker process that runs the
+``async_fn`` of every request it is sent, instead of forking the trainer for each save: the request,
+with our writer and the staged tensors in it, is pickled to that process. Each rank here makes async saves
+one after another through one queue: three that commit, and between them one whose write fails in the
+worker. The live tensors are overwritten right after each ``save`` returns.
+
+Megatron does not watch that worker. A second job, on one rank, has it killed for real (the store's crash
+point, SIGKILL) while it writes: no request sent to it is ever run or finalized, and the trainer's save
+that has to wait for one of them must fail with advice that names the dead worker.
+
+Megatron calls CUDA-only functions on its async path even for CPU tensors, and its persistent worker
+selects a CUDA device first thing; ``cuda_shim`` stands them in for this CPU-only torch, in the job's
+processes only (see its docstring).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip(
+    "megatron.core.dist_checkpointing",
+    reason="megatron-core is not installed (pip install megatron-core==0.16.1)",
+)
+
+from megatron.core import dist_checkpointing as mdc  # noqa: E402
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue  # noqa: E402
+from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+
+from dcp_memstore import MemStore, StagingTimeoutError  # noqa: E402
+from dcp_memstore.megatron import MemStoreLoadStrategy, MemStoreSaveStrategy  # noqa: E402
+from dcp_memstore.megatron.save import _writer_marker  # noqa: E402
+from dcp_memstore.store import liveness  # noqa: E402
+from dcp_memstore.store.faults import ENV as CRASH_AT  # noqa: E402
+from tests.megatron import test_megatron_strategies as megatron_state  # noqa: E402
+from tests.megatron.cuda_shim import shim_cuda_for_cpu, shim_persistent_worker_for_cpu  # noqa: E402
+from tests.multiproc.mp_harness import JOB_ID, MultiProc, assert_bit_equal  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+# (checkpoint directory, seed of its state, whether its write is made to fail), in the order saved
+SAVES = [
+    ("iter_0000001", 1, False),
+    ("iter_0000002", 2, True),
+    ("iter_0000003", 3, False),
+    ("iter_0000004", 4, False),
+]
+KEEP = 2  # keep_in_memory: the first save is evicted by the last
+WRITE_WAIT_S = 60.0  # for the worker to leave a save's results (it imports torch and Megatron first)
+JOB_WAIT_S = 150.0
+KILLED, QUEUED, WAITING = "iter_0000010", "iter_0000020", "iter_0000030"  # the killed worker's job
+STAGE_TIMEOUT_S = 3
+
+
+def state(rank: int, world: int, seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The live tensors of ``rank`` in the state of ``seed``, and Megatron's sharded state dict of them."""
+    values = megatron_state.local_values(rank, seed)
+    obj = megatron_state.rank_object(rank, seed)
+    return values, {**megatron_state.sharded(values, obj, rank, world), **megatron_state.common_state(seed)}
+
+
+def persistent_worker_job(rank: int, world: int, root: str, ckpts: str) -> dict[str, Any]:
+    """Each rank: the async saves of ``SAVES`` through one persistent-worker queue, each finalized and
+    loaded back before the next; report who wrote each and what came back."""
+    shim_cuda_for_cpu()  # Megatron's async path calls CUDA-only functions; see cuda_shim
+    shim_persistent_worker_for_cpu()
+    store = MemStore(root, JOB_ID, keep_in_memory=KEEP, io_threads=2)
+    save, load = MemStoreSaveStrategy(store), MemStoreLoadStrategy(store)
+    queue = AsyncCallsQueue(persistent=True)
+    base = Path(ckpts)
+    out: dict[str, Any] = {"trainer": liveness.own_token(store.layout), "saves": {}}
+
+    for name, seed, fail in SAVES:
+        values, sd = state(rank, world, seed)
+        request = mdc.save(sd, str(base / name), sharded_strategy=save, async_sharded_save=True)
+        if fail:  # the staged files vanish before the worker moves them into the checkpoint
+            for slot in os.listdir(store.layout.staging_dir):
+                if slot.startswith(f"r{rank}-p{os.getpid()}-"):
+                    shutil.rmtree(store.layout.staging_dir / slot)
+        for t in values.values():  # training goes on: the live tensors change
+            t.fill_(7)
+        queue.schedule_async_request(request)
+        record = Path(request.async_fn_args[3])  # where this rank's write leaves its results
+        deadline = time.monotonic() + WRITE_WAIT_S
+        while not record.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen: dict[str, Any] = {
+            "writer": _writer_marker(record).read_text(),
+            "committed_before_finalize": name in store.list_checkpoints(),
+        }
+        try:
+            seen["finalized"] = queue.maybe_finalize_async_calls(blocking=True)
+            seen["loaded"] = mdc.load(
+                megatron_state.template(rank, world), str(base / name), sharded_strategy=load
+            )
+        except CheckpointException as e:
+            seen["error"] = str(e)
+        seen["worker_alive"] = queue.persistent_caller.process.is_alive()
+        out["saves"][name] = seen
+
+    out["committed"] = store.list_checkpoints()
+    out["staging_left"] = sorted(os.listdir(store.layout.staging_dir))
+    worker = queue.persistent_caller.process
+    queue.close()  # sends the worker its stop request and waits for it
+    out["worker_exitcode"] = worker.exitcode
+    store.close()
+    return out
+
+
+def killed_worker_job(rank: int, world: int, root: str, ckpts: str) -> dict[str, Any]:
+    """One rank: an async save whose persistent worker is SIGKILLed while it writes, a save queued behind it,
+    and a third that must wait for the queued one; report what each did."""
+    shim_cuda_for_cpu()
+    shim_persistent_worker_for_cpu()
+    store = MemStore(root, JOB_ID, io_threads=2, stage_timeout_s=STAGE_TIMEOUT_S)
+    save = MemStoreSaveStrategy(store)
+    queue = AsyncCallsQueue(persistent=True)
+    base = Path(ckpts)
+    out: dict[str, Any] = {}
+
+    request = mdc.save(
+        state(rank, world, 1)[1], str(base / KILLED), sharded_strategy=save, async_sharded_save=True
+    )
+    os.environ[CRASH_AT] = "write-data"  # the worker, spawned now, inherits it and dies in its first write
+    queue.schedule_async_request(request)
+    os.environ.pop(CRASH_AT)
+    worker = queue.persistent_caller.process
+    worker.join(WRITE_WAIT_S)
+    out["worker_exitcode"] = worker.exitcode
+
+    t0 = time.monotonic()  # the killed save's writer named itself: this save does not wait for it
+    request = mdc.save(
+        state(rank, world, 2)[1], str(base / QUEUED), sharded_strategy=save, async_sharded_save=True
+    )
+    out["queued_save_s"] = time.monotonic() - t0
+    queue.schedule_async_request(request)  # to the dead worker: never run
+    time.sleep(1)
+    out["finalized"] = queue.maybe_finalize_async_calls(blocking=False)
+
+    t0 = time.monotonic()
+    try:
+        mdc.save(
+            state(rank, world, 3)[1], str(base / WAITING), sharded_strategy=save, async_sharded_save=True
+        )
+        out["waiting_error"] = None
+    except StagingTimeoutError as e:
+        out["waiting_error"] = str(e)
+    out["waiting_s"] = time.monotonic() - t0
+    out["committed"] = store.list_checkpoints()
+    queue.close(abort=True)
+    store.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def job() -> Any:
+    """Run the 2-rank job once; its ranks' reports (fails if it hangs)."""
+    dirs = [name for name, _, _ in SAVES]
+    yield from megatron_state.run_megatron_job(persistent_worker_job, dirs, timeout=JOB_WAIT_S)
+
+
+def test_one_persistent_process_writes_every_save(job: list[dict]) -> None:
+    """Each rank's saves are all written by one process, neither the trainer nor a fork per save (a forked
+    writer takes a liveness token of its own), and each rank has its own worker."""
+    writers = []
+    for rep in job:
+        tokens = {seen["writer"] for seen in rep["saves"].values()}
+        assert len(tokens) == 1, tokens
+        assert rep["trainer"] not in tokens
+        writers += tokens
+    assert len(set(writers)) == len(job)
+
+
+def test_saves_commit_at_finalize_and_load_back_bit_exact(job: list[dict]) -> None:
+    """A save written by the persistent worker is committed only when finalized; it then loads back bit for
+    bit, though the live tensors were overwritten as soon as ``save`` returned."""
+    for rank, rep in enumerate(job):
+        for name, seed, fail in SAVES:
+            seen = rep["saves"][name]
+            assert seen["committed_before_finalize"] is False
+            if not fail:
+                assert "error" not in seen, seen.get("error")
+                assert_bit_equal(
+                    seen["loaded"], megatron_state.expected_loaded(rank, seed), f"rank {rank} {name}"
+                )
+
+
+def test_a_failed_write_raises_on_every_rank_and_the_worker_writes_the_next_save(job: list[dict]) -> None:
+    """A write that fails in the worker fails its save at finalize on every rank, naming the rank's error,
+    and commits nothing; the worker lives on and later saves commit, with retention applied."""
+    failed = next(name for name, _, fail in SAVES if fail)
+    kept = [name for name, _, fail in SAVES if not fail][-KEEP:]
+    for rep in job:
+        error = rep["saves"][failed]["error"]
+        assert f"writing checkpoint '{failed}' failed" in error, error
+        assert all(seen["worker_alive"] for seen in rep["saves"].values())
+        assert rep["committed"] == kept
+
+
+def test_the_worker_stops_cleanly_and_leaves_no_staging_memory(job: list[dict]) -> None:
+    for rep in job:
+        assert rep["worker_exitcode"] == 0
+        assert rep["staging_left"] == []
+
+
+@pytest.fixture(scope="module")
+def killed() -> Any:
+    """Run the one-rank job whose worker is killed; its report."""
+    m = MultiProc()
+    try:
+        for name in (KILLED, QUEUED, WAITING):
+            (m.workdir / "ckpts" / name).mkdir(parents=True)
+        yield m.start(killed_worker_job, 1, str(m.root), str(m.workdir / "ckpts")).check(timeout=JOB_WAIT_S)[
+            0
+        ]
+    finally:
+        m.close()
+
+
+def test_a_dead_persistent_worker_fails_the_save_that_waits_for_it_naming_the_worker(killed: dict) -> None:
+    """Megatron never runs nor finalizes what it sent to its dead worker; the save after the killed one
+    stages at once, and the one that must wait for a request the dead worker holds fails after
+    stage_timeout_s with a StagingTimeoutError that names a dead persistent worker. Nothing is committed."""
+    assert killed["worker_exitcode"] == -9
+    assert killed["queued_save_s"] < STAGE_TIMEOUT_S, killed["queued_save_s"]
+    assert killed["finalized"] == []
+    error = killed["waiting_error"]
+    assert error is not None and f"waited {STAGE_TIMEOUT_S}s" in error, error
+    assert "persistent worker" in error, error
+    assert killed["waiting_s"] < 3 * STAGE_TIMEOUT_S, killed["waiting_s"]
+    assert killed["committed"] == []
