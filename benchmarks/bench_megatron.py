@@ -5,7 +5,10 @@ default torch_dist strategy, both on the same tmpfs, in the same run.
 ``--tensors`` tensors (alternately float32 and bfloat16, uneven sizes; bench_core's ``tensor_specs``),
 tensor-parallel shards on dim 0 (``ShardedTensor.from_rank_offsets``), about ``--size-gib`` in all, plus a
 ShardedObject per rank and some common state. Each strategy saves it with ``async_sharded_save=True``
-and the request goes to Megatron's ``AsyncCallsQueue`` (a forked worker per save), as Megatron-LM does:
+and the request goes to Megatron's ``AsyncCallsQueue`` (a forked worker per save), as Megatron-LM does.
+``MemStoreSaveStrategy`` is timed a second time with Megatron's persistent worker
+(``AsyncCallsQueue(persistent=True)``, Megatron-LM's ``--use-persistent-ckpt-worker``: one spawned
+process per rank, started by the first save, to which every request is pickled; no fork):
 
 * ``blocking``: from the ``dist_checkpointing.save`` call until ``schedule_async_request`` returns, i.e.
   what the training loop waits for (ours: staging copy into tmpfs plus planning; torch_dist: planning,
@@ -17,6 +20,7 @@ and the request goes to Megatron's ``AsyncCallsQueue`` (a forked worker per save
   with no save in flight. While a forked writer still shares the trainer's memory, every page the step
   writes is copied first (copy-on-write): torch_dist's worker lives until all bytes are written, ours
   only checksums and renames files that staging already filled.
+  A persistent worker forks nothing, so the step right after the save pays no copy-on-write.
 * ``load``: ``dist_checkpointing.load`` of the checkpoint into preallocated tensors (ours: from the store;
   torch_dist: ``.distcp`` files), checked bit for bit against the saved state.
 
@@ -27,11 +31,13 @@ writer processes per rank), the store's ``io_threads`` (cores per local rank, at
 ``keep_in_memory=2``. ``--warmup-saves`` untimed saves of each strategy come first (3: from the 4th save
 on, the store stages into the files of evicted checkpoints, already allocated, as in a training job; the
 blocking time of the very first save, which allocates new tmpfs files, and for torch_dist starts a
-multiprocessing manager for its results queue, is reported on its own), then ``--reps`` rounds, each
-timing both strategies (the order alternating). Median [min-max] over the rounds, the slowest rank's wall
-time; ``CPU s`` is the CPU time of all ranks and of their reaped child processes (the forked writers);
-GB/s counts all ranks' bytes (1 GB = 1e9 B); ``ratio`` is the baseline's median time over this row's
-(above 1: this row is faster).
+multiprocessing manager for its results queue, is reported on its own; the persistent worker's first
+save comes after the store's and only starts the worker, which imports torch and Megatron while the
+save is "in flight"), then ``--reps`` rounds, each timing the three ways (the order alternating).
+Median [min-max] over the rounds, the slowest rank's wall time; ``CPU s`` is the CPU time of all ranks
+and of their child processes (the forked writers once reaped, the persistent worker as it runs); GB/s
+counts all ranks' bytes (1 GB = 1e9 B); ``ratio`` is the baseline's median time over this row's (above
+1: this row is faster). The persistent worker's first save is not in the table.
 
 Megatron calls CUDA-only functions on its async path (``tests/megatron/cuda_shim.py``); on a machine
 without CUDA that shim is applied in the benchmark's processes.
@@ -43,6 +49,7 @@ Run from the repository root: ``python benchmarks/bench_megatron.py`` (needs ``p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -55,6 +62,8 @@ import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -76,16 +85,22 @@ from benchmarks.bench_core import (  # noqa: E402
     tensor_specs,
 )
 
+# how each way of saving is named in the checkpoint directories (a valid checkpoint id) and in the table
+KINDS = {"torch_dist": "torch_dist", "memstore": "memstore", "memstore_pw": "memstore, persistent worker"}
+PERSISTENT = "memstore_pw"  # our strategy through AsyncCallsQueue(persistent=True)
 OPS = [  # (operation, baseline) in table order
     ("torch_dist async save, blocking, first save", None),
     ("memstore async save, blocking, first save", "torch_dist async save, blocking, first save"),
     ("torch_dist async save, blocking", None),
     ("memstore async save, blocking", "torch_dist async save, blocking"),
+    ("memstore, persistent worker async save, blocking", "torch_dist async save, blocking"),
     ("torch_dist async save, until committed", None),
     ("memstore async save, until committed", "torch_dist async save, until committed"),
+    ("memstore, persistent worker async save, until committed", "torch_dist async save, until committed"),
     ("training step, no save in flight", None),
     ("torch_dist: training step right after save", "training step, no save in flight"),
     ("memstore: training step right after save", "training step, no save in flight"),
+    ("memstore, persistent worker: training step right after save", "training step, no save in flight"),
     ("torch_dist load", None),
     ("memstore load", "torch_dist load"),
 ]
@@ -104,13 +119,20 @@ class Args:
 
 
 def cpu_with_children() -> float:
-    """CPU seconds of this process and of its reaped children (Megatron's forked writers)."""
+    """CPU seconds of this process, of its reaped children (Megatron's forked writers) and of those that
+    live (a persistent worker)."""
     own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+    live = 0.0
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # it ended since it was listed: counted once reaped
+            times = child.cpu_times()
+            live += times.user + times.system
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime + live
 
 
 def worker(rank: int, args: Args) -> None:
-    """One rank: warm up, then time both strategies in alternating rounds; rank 0 writes the results."""
+    """One rank: warm up, then time the three ways of saving in alternating rounds; rank 0 writes the
+    results."""
     warnings.simplefilter("ignore")  # Megatron warns about missing Transformer Engine/Apex at import
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), LOCAL_WORLD_SIZE=str(args.world))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world))
@@ -122,9 +144,10 @@ def worker(rank: int, args: Args) -> None:
 
     from dcp_memstore import MemStore
     from dcp_memstore.megatron import MemStoreLoadStrategy, MemStoreSaveStrategy
-    from tests.megatron.cuda_shim import shim_cuda_for_cpu
+    from tests.megatron.cuda_shim import shim_cuda_for_cpu, shim_persistent_worker_for_cpu
 
     shim_cuda_for_cpu()
+    shim_persistent_worker_for_cpu()
     try:
         ranks, world, base = Ranks(rank, args.world), args.world, Path(args.base)
         specs = tensor_specs(args.total_bytes // world, args.tensors)
@@ -140,12 +163,13 @@ def worker(rank: int, args: Args) -> None:
             return {**sd, "loader": ShardedObject("loader", obj, (world,), (rank,)), "iteration": 7}
 
         store = MemStore(root=base / "store", job_id="bench", keep_in_memory=2)
-        strategies = {
-            "torch_dist": get_default_save_sharded_strategy(),
-            "memstore": MemStoreSaveStrategy(store),
-        }
-        loaders = {"torch_dist": None, "memstore": MemStoreLoadStrategy(store)}
-        queue, counter = AsyncCallsQueue(), iter(range(10**9))
+        ours = MemStoreSaveStrategy(store)
+        strategies = {"torch_dist": get_default_save_sharded_strategy(), "memstore": ours, PERSISTENT: ours}
+        load_ours = MemStoreLoadStrategy(store)
+        loaders = {"torch_dist": None, "memstore": load_ours, PERSISTENT: load_ours}
+        forking = AsyncCallsQueue()
+        queues = {"torch_dist": forking, "memstore": forking, PERSISTENT: AsyncCallsQueue(persistent=True)}
+        counter = iter(range(10**9))
         timings: dict[str, list[tuple[float, float]]] = {}
         dest = {n: torch.zeros_like(t) for n, t in local.items()}
 
@@ -166,10 +190,10 @@ def worker(rank: int, args: Args) -> None:
                 sharded_strategy=strategies[kind],
                 async_sharded_save=True,
             )
-            queue.schedule_async_request(request)
+            queues[kind].schedule_async_request(request)
             c1, t1 = cpu_with_children(), time.perf_counter()
             step = step_timing()  # training goes on while the save is written
-            queue.maybe_finalize_async_calls(blocking=True)
+            queues[kind].maybe_finalize_async_calls(blocking=True)
             c2, t2 = cpu_with_children(), time.perf_counter()
             return d, ranks.reduce(t1 - t0, c1 - c0), ranks.reduce(t2 - t0, c2 - c0), step
 
@@ -203,19 +227,20 @@ def worker(rank: int, args: Args) -> None:
             for kind in strategies:
                 d, blocking, _, _ = save(kind)
                 if i == 0:
-                    timings[f"{kind} async save, blocking, first save"] = [blocking]
+                    timings[f"{KINDS[kind]} async save, blocking, first save"] = [blocking]
                 remove(d)
         for r in range(args.reps):
             if rank == 0:
                 print(f"  round {r + 1}/{args.reps}", flush=True)
             ranks.barrier()
             timings.setdefault("training step, no save in flight", []).append(ranks.reduce(*step_timing()))
-            for kind in strategies if r % 2 == 0 else reversed(list(strategies)):
+            for kind in list(strategies) if r % 2 == 0 else reversed(list(strategies)):
                 d, blocking, total, step = save(kind)
-                timings.setdefault(f"{kind} async save, blocking", []).append(blocking)
-                timings.setdefault(f"{kind} async save, until committed", []).append(total)
-                timings.setdefault(f"{kind}: training step right after save", []).append(ranks.reduce(*step))
-                timings.setdefault(f"{kind} load", []).append(load(kind, d))
+                label = KINDS[kind]
+                timings.setdefault(f"{label} async save, blocking", []).append(blocking)
+                timings.setdefault(f"{label} async save, until committed", []).append(total)
+                timings.setdefault(f"{label}: training step right after save", []).append(ranks.reduce(*step))
+                timings.setdefault(f"{label} load", []).append(load(kind, d))
                 remove(d)
         if rank == 0:
             nbytes = spec_bytes(specs) * world
@@ -231,6 +256,9 @@ def worker(rank: int, args: Args) -> None:
                 "torch_dist_thread_count": strategies["torch_dist"].thread_count,
             }
             Path(args.out).write_text(json.dumps({"meta": meta, "measurements": result}))
+        persistent = queues.pop(PERSISTENT)
+        persistent.close()  # stops the worker
+        del persistent  # now, while the process group exists: Megatron's __del__ asks it for this rank
         store.close()
     finally:
         dist.destroy_process_group()

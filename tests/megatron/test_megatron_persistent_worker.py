@@ -110,6 +110,7 @@ def persistent_worker_job(rank: int, world: int, root: str, ckpts: str) -> dict[
     out["staging_left"] = sorted(os.listdir(store.layout.staging_dir))
     worker = queue.persistent_caller.process
     queue.close()  # sends the worker its stop request and waits for it
+    del queue  # now, while the process group exists: Megatron's __del__ asks it for this rank
     out["worker_exitcode"] = worker.exitcode
     store.close()
     return out
@@ -156,6 +157,7 @@ def killed_worker_job(rank: int, world: int, root: str, ckpts: str) -> dict[str,
     out["waiting_s"] = time.monotonic() - t0
     out["committed"] = store.list_checkpoints()
     queue.close(abort=True)
+    del queue  # see persistent_worker_job
     store.close()
     return out
 
