@@ -31,6 +31,7 @@ pytest.importorskip(
     reason="megatron-core is not installed (pip install megatron-core==0.16.1)",
 )
 
+import torch  # noqa: E402
 from megatron.core import dist_checkpointing as mdc  # noqa: E402
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
@@ -42,6 +43,7 @@ from dcp_memstore.store import liveness  # noqa: E402
 from dcp_memstore.store.faults import ENV as CRASH_AT  # noqa: E402
 from tests.megatron import test_megatron_strategies as megatron_state  # noqa: E402
 from tests.megatron.cuda_shim import shim_cuda_for_cpu, shim_persistent_worker_for_cpu  # noqa: E402
+from tests.megatron.test_megatron_fully_parallel_load import to_cpu  # noqa: E402
 from tests.multiproc.mp_harness import JOB_ID, MultiProc, assert_bit_equal  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -60,16 +62,22 @@ KILLED, QUEUED, WAITING = "iter_0000010", "iter_0000020", "iter_0000030"  # the 
 STAGE_TIMEOUT_S = 3
 
 
-def state(rank: int, world: int, seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The live tensors of ``rank`` in the state of ``seed``, and Megatron's sharded state dict of them."""
-    values = megatron_state.local_values(rank, seed)
+def state(rank: int, world: int, seed: int, device: str = "cpu") -> tuple[dict[str, Any], dict[str, Any]]:
+    """The live tensors of ``rank`` in the state of ``seed`` (on ``device``), and Megatron's sharded state
+    dict of them."""
+    values = {k: t.to(device) for k, t in megatron_state.local_values(rank, seed).items()}
     obj = megatron_state.rank_object(rank, seed)
     return values, {**megatron_state.sharded(values, obj, rank, world), **megatron_state.common_state(seed)}
 
 
-def persistent_worker_job(rank: int, world: int, root: str, ckpts: str) -> dict[str, Any]:
-    """Each rank: the async saves of ``SAVES`` through one persistent-worker queue, each finalized and
-    loaded back before the next; report who wrote each and what came back."""
+def persistent_worker_job(
+    rank: int, world: int, root: str, ckpts: str, device: str = "cpu"
+) -> dict[str, Any]:
+    """Each rank: the async saves of ``SAVES`` from tensors on ``device`` through one persistent-worker
+    queue, each finalized and loaded back into tensors on ``device`` before the next; report who wrote
+    each and what came back (on the CPU)."""
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     shim_cuda_for_cpu()  # Megatron's async path calls CUDA-only functions; see cuda_shim
     shim_persistent_worker_for_cpu()
     store = MemStore(root, JOB_ID, keep_in_memory=KEEP, io_threads=2)
@@ -79,7 +87,7 @@ def persistent_worker_job(rank: int, world: int, root: str, ckpts: str) -> dict[
     out: dict[str, Any] = {"trainer": liveness.own_token(store.layout), "saves": {}}
 
     for name, seed, fail in SAVES:
-        values, sd = state(rank, world, seed)
+        values, sd = state(rank, world, seed, device)
         request = mdc.save(sd, str(base / name), sharded_strategy=save, async_sharded_save=True)
         if fail:  # the staged files vanish before the worker moves them into the checkpoint
             for slot in os.listdir(store.layout.staging_dir):
@@ -98,9 +106,9 @@ def persistent_worker_job(rank: int, world: int, root: str, ckpts: str) -> dict[
         }
         try:
             seen["finalized"] = queue.maybe_finalize_async_calls(blocking=True)
-            seen["loaded"] = mdc.load(
-                megatron_state.template(rank, world), str(base / name), sharded_strategy=load
-            )
+            loaded = mdc.load(template(rank, world, device), str(base / name), sharded_strategy=load)
+            seen["devices"] = {t.device.type for t in loaded_tensors(loaded)}
+            seen["loaded"] = to_cpu(loaded)
         except CheckpointException as e:
             seen["error"] = str(e)
         seen["worker_alive"] = queue.persistent_caller.process.is_alive()
@@ -162,6 +170,17 @@ def killed_worker_job(rank: int, world: int, root: str, ckpts: str) -> dict[str,
     return out
 
 
+def template(rank: int, world: int, device: str) -> dict[str, Any]:
+    """A fresh load target of zeroed tensors on ``device``."""
+    zeros = {k: torch.zeros_like(t, device=device) for k, t in megatron_state.local_values(rank, 0).items()}
+    return megatron_state.sharded(zeros, None, rank, world)
+
+
+def loaded_tensors(loaded: dict[str, Any]) -> list[torch.Tensor]:
+    """What a load returned where the template had its ShardedTensors."""
+    return [loaded["layer"]["weight"], loaded["layer"]["proj"], loaded["norm"], loaded["optimizer"]["steps"]]
+
+
 @pytest.fixture(scope="module")
 def job() -> Any:
     """Run the 2-rank job once; its ranks' reports (fails if it hangs)."""
@@ -181,10 +200,10 @@ def test_one_persistent_process_writes_every_save(job: list[dict]) -> None:
     assert len(set(writers)) == len(job)
 
 
-def test_saves_commit_at_finalize_and_load_back_bit_exact(job: list[dict]) -> None:
-    """A save written by the persistent worker is committed only when finalized; it then loads back bit for
-    bit, though the live tensors were overwritten as soon as ``save`` returned."""
-    for rank, rep in enumerate(job):
+def assert_saves_committed_at_finalize_and_loaded_bit_exact(reports: list[dict], device: str) -> None:
+    """Every save of ``SAVES`` was committed only when finalized, and each that was not made to fail loaded
+    back bit for bit into tensors on ``device``."""
+    for rank, rep in enumerate(reports):
         for name, seed, fail in SAVES:
             seen = rep["saves"][name]
             assert seen["committed_before_finalize"] is False
@@ -193,6 +212,13 @@ def test_saves_commit_at_finalize_and_load_back_bit_exact(job: list[dict]) -> No
                 assert_bit_equal(
                     seen["loaded"], megatron_state.expected_loaded(rank, seed), f"rank {rank} {name}"
                 )
+                assert seen["devices"] == {device}
+
+
+def test_saves_commit_at_finalize_and_load_back_bit_exact(job: list[dict]) -> None:
+    """A save written by the persistent worker is committed only when finalized; it then loads back bit for
+    bit, though the live tensors were overwritten as soon as ``save`` returned."""
+    assert_saves_committed_at_finalize_and_loaded_bit_exact(job, "cpu")
 
 
 def test_a_failed_write_raises_on_every_rank_and_the_worker_writes_the_next_save(job: list[dict]) -> None:
