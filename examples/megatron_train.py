@@ -3,6 +3,7 @@
     pip install '.[megatron]' -c constraints.txt   # from the repository root; see docs/megatron.md
     torchrun --nproc-per-node 2 examples/megatron_train.py --steps 20 --save-every 5
     torchrun --nproc-per-node 2 examples/megatron_train.py --steps 30 --save-every 5   # resumes at step 20
+    ... --persistent-worker   # writes through Megatron's persistent worker instead of a fork per save
 
 A tiny tensor-parallel MLP (a column-parallel then a row-parallel linear layer, split over the ranks by
 hand as Megatron's layers split them) learns a fixed random linear map with SGD and momentum, on CPU with
@@ -10,7 +11,9 @@ gloo. Every ``--save-every`` steps its Megatron sharded state dict (weight shard
 momentum, each rank's RNG state as a ShardedObject, the step as common state) is saved with
 ``dist_checkpointing.save(..., sharded_strategy=MemStoreSaveStrategy(store), async_sharded_save=True)``
 and handed to Megatron's ``AsyncCallsQueue``: the tensors are staged into tmpfs before ``save`` returns,
-written by the queue's forked worker, and committed when the queue finalizes the request. At start-up
+written by the queue's forked worker (or, with ``--persistent-worker``, by one spawned worker process per
+rank, as Megatron-LM's ``--use-persistent-ckpt-worker`` does), and committed when the queue finalizes the
+request. At start-up
 ``store.latest_checkpoint()`` names the newest committed checkpoint and ``MemStoreLoadStrategy`` restores
 it in place. The last line (loss and a digest of the weights) is the same whether the 30 steps ran in one
 go or were resumed at step 20; a run that resumes at ``--steps`` trains nothing and says so. Checkpoint
@@ -30,7 +33,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, PersistentAsyncCaller
 
 from dcp_memstore import MemStore
 from dcp_memstore.megatron import MemStoreLoadStrategy, MemStoreSaveStrategy
@@ -85,6 +88,24 @@ def train_step(state: dict[str, torch.Tensor], target: torch.Tensor) -> float:
     return loss.item()
 
 
+def shim_cuda_for_cpu() -> None:
+    """CPU-only demo: Megatron's async queue calls torch.cuda.synchronize() and puts its small control
+    tensors on torch.cuda.current_device() even for CPU tensors, and its persistent worker selects a GPU
+    (torch.cuda.set_device) first thing. Not needed on a GPU machine."""
+    torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.current_device = lambda: "cpu"
+    PersistentAsyncCaller.async_loop = staticmethod(persistent_worker_on_cpu)
+
+
+def persistent_worker_on_cpu(*args: Any, **kwargs: Any) -> None:
+    """The persistent worker's loop on a CPU-only machine, with its GPU selection made a no-op. The worker is
+    a spawned process: it finds this function by importing this script anew (``main`` does not run), so
+    Megatron's class is unpatched there."""
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.set_device = lambda device: None
+    PersistentAsyncCaller.async_loop(*args, **kwargs)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=20, help="train until this step (default 20)")
@@ -92,12 +113,15 @@ def main() -> None:
     p.add_argument("--save", default="/tmp/dcp_memstore_megatron_example", help="checkpoint directories")
     p.add_argument("--root", default="/dev/shm/dcp_memstore", help="the store's tmpfs root")
     p.add_argument("--job-id", default="megatron-example", help="the store's job id (same to resume)")
+    p.add_argument(
+        "--persistent-worker",
+        action="store_true",
+        help="write through Megatron's persistent worker (one spawned process per rank) instead of a fork "
+        "of the trainer per save",
+    )
     args = p.parse_args()
     if not torch.cuda.is_available():
-        # CPU-only demo: Megatron's async queue calls torch.cuda.synchronize() and puts its small control
-        # tensors on torch.cuda.current_device() even for CPU tensors. Not needed on a GPU machine.
-        torch.cuda.synchronize = lambda device=None: None
-        torch.cuda.current_device = lambda: "cpu"
+        shim_cuda_for_cpu()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     store = MemStore(root=args.root, job_id=args.job_id, keep_in_memory=2)
@@ -117,7 +141,7 @@ def main() -> None:
         if rank == 0:
             print(f"resumed from {ckpt_dir} (step {step})", flush=True)
 
-    queue = AsyncCallsQueue()
+    queue = AsyncCallsQueue(persistent=args.persistent_worker)
     while step < args.steps:
         loss = train_step(state, target)
         step += 1
@@ -142,6 +166,8 @@ def main() -> None:
     if rank == 0:
         trained = f"loss {loss:.6f}" if loss is not None else f"no step left to train (--steps {args.steps})"
         print(f"done at step {step}: {trained}, weights digest {digest.item():.12e}", flush=True)
+    queue.close()  # stops a persistent worker
+    del queue  # while the process group exists: Megatron's PersistentAsyncCaller.__del__ asks it for the rank
     store.close()
     dist.destroy_process_group()
 

@@ -1,5 +1,7 @@
 """examples/megatron_train.py as its docstring runs it: 20 steps, then a new job resumed from the store to
-30, ends with the loss and weights of 30 steps in one go; a run resumed at its last step trains nothing."""
+30, ends with the loss and weights of 30 steps in one go; a run resumed at its last step trains nothing.
+The 20 steps save through Megatron's persistent worker (``--persistent-worker``), the other runs through
+its forked worker."""
 
 from __future__ import annotations
 
@@ -30,11 +32,11 @@ def root() -> Iterator[str]:
     shutil.rmtree(d, ignore_errors=True)
 
 
-def _run(root: str, save: Path, job_id: str, steps: int) -> list[str]:
+def _run(root: str, save: Path, job_id: str, steps: int, *options: str) -> list[str]:
     """One torchrun job of the example (2 ranks, a free port); its stdout lines (fails if it fails)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += [str(EXAMPLE), "--steps", str(steps), "--save-every", "5", "--root", root]
-    cmd += ["--save", str(save), "--job-id", job_id]
+    cmd += ["--save", str(save), "--job-id", job_id, *options]
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "DCP_MEMSTORE_CRASH_AT")}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     report = f"exit code {proc.returncode}\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
@@ -44,11 +46,11 @@ def _run(root: str, save: Path, job_id: str, steps: int) -> list[str]:
 
 @pytest.mark.timeout(600)  # four torchrun jobs, each importing Megatron on 2 ranks: minutes on a busy machine
 def test_resumed_run_ends_like_an_uninterrupted_one(root: str, tmp_path: Path) -> None:
-    """The resumed job starts at step 20 and its last line (loss, weights digest) equals the one of 30 steps
-    in one go; run again, it resumes at step 30 and reports the same weights and no loss (before, it
+    """The resumed job starts at step 20, from the checkpoint the persistent worker wrote, and its last line
+    (loss, weights digest) equals the one of 30 steps in one go; run again, it resumes at step 30 and reports the same weights and no loss (before, it
     printed 'loss nan', as if training had diverged)."""
     whole = _run(root, tmp_path / "whole", "whole", 30)
-    _run(root, tmp_path / "split", "split", 20)
+    _run(root, tmp_path / "split", "split", 20, "--persistent-worker")
     resumed = _run(root, tmp_path / "split", "split", 30)
     assert f"resumed from {tmp_path / 'split' / 'iter_0000020'} (step 20)" in resumed, resumed
     assert resumed[-1].startswith("done at step 30: loss ") and resumed[-1] == whole[-1], (resumed, whole)
