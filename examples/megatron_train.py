@@ -92,15 +92,20 @@ def shim_cuda_for_cpu() -> None:
     """CPU-only demo: Megatron's async queue calls torch.cuda.synchronize() and puts its small control
     tensors on torch.cuda.current_device() even for CPU tensors, and its persistent worker selects a GPU
     (torch.cuda.set_device) first thing. Not needed on a GPU machine."""
+    shim_cuda_calls()
+    PersistentAsyncCaller.async_loop = staticmethod(persistent_worker_on_cpu)
+
+
+def shim_cuda_calls() -> None:
     torch.cuda.synchronize = lambda device=None: None
     torch.cuda.current_device = lambda: "cpu"
-    PersistentAsyncCaller.async_loop = staticmethod(persistent_worker_on_cpu)
 
 
 def persistent_worker_on_cpu(*args: Any, **kwargs: Any) -> None:
     """The persistent worker's loop on a CPU-only machine, with its GPU selection made a no-op. The worker is
     a spawned process: it finds this function by importing this script anew (``main`` does not run), so
     Megatron's class is unpatched there."""
+    shim_cuda_calls()
     torch.cuda.device_count = lambda: 1
     torch.cuda.set_device = lambda device: None
     PersistentAsyncCaller.async_loop(*args, **kwargs)
@@ -158,7 +163,10 @@ def main() -> None:
             )
             queue.schedule_async_request(request)  # returns at once; training goes on
             if rank == 0:
-                print(f"step {step}: loss {loss:.6f}, checkpoint {ckpt_dir.name} on its way", flush=True)
+                way = "on its way"
+                if args.persistent_worker:  # the worker started with the first save
+                    way += f" to the persistent worker (pid {queue.persistent_caller.process.pid})"
+                print(f"step {step}: loss {loss:.6f}, checkpoint {ckpt_dir.name} {way}", flush=True)
     queue.maybe_finalize_async_calls(blocking=True)
     digest = sum(float(state[k].double().sum()) for k in ("w1", "w2", "b2"))
     digest = torch.tensor([digest], dtype=torch.float64)

@@ -197,16 +197,22 @@ class SaveOrder:
 
 @dataclass(frozen=True)
 class SaveApi:
-    """How the user makes the saves that a StagingTimeoutError's advice is about: the call that stages a
-    save, and what to check of earlier ones (where a failed save's error surfaces, what must have run)."""
+    """How the user makes saves, for the advice of the errors they may meet: the call that stages a save,
+    and what to check of earlier ones (where a failed save's error surfaces, what must have run), for a
+    StagingTimeoutError; the other process a staged save may be sent to, and how to keep it in process
+    instead, for a sharing strategy that cannot send it."""
 
     call: str
     check: str
+    other_process: str
+    in_process: str
 
 
 DCP_ASYNC_SAVE = SaveApi(
     call="dcp.async_save",
     check="check the futures of earlier dcp.async_save calls for an error (fut.result())",
+    other_process="DCP's checkpoint process",
+    in_process="use the THREAD executor",
 )
 
 

@@ -88,8 +88,9 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
     ``dcp.async_save`` together with ``checkpoint_id="step-100"`` (a name in the store, not a path).
 
     ``save_api`` names how the user makes saves, for the advice of a StagingTimeoutError (a save that
-    waited too long for earlier ones); an integration that drives the writer for another API, such as
-    Megatron's save strategy, sets its own."""
+    waited too long for earlier ones) and of a sharing strategy that cannot send the writer to another
+    process; an integration that drives the writer for another API, such as Megatron's save strategy, sets
+    its own."""
 
     save_api: SaveApi = DCP_ASYNC_SAVE
 
@@ -127,10 +128,11 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         too long is still sent, with the error, where other ranks wait for it (see ``_defer_timeout``)."""
         if get_sharing_strategy() != "file_descriptor":
             _abandon_pending(self.store.layout, self._pending)  # these saves will never run
+            api = self.save_api
             raise RuntimeError(
-                "dcp_memstore's staged tensors reach DCP's checkpoint process as file descriptors; "
+                f"dcp_memstore's staged tensors reach {api.other_process} as file descriptors; "
                 f"torch.multiprocessing's sharing strategy is {get_sharing_strategy()!r}. Call "
-                "torch.multiprocessing.set_sharing_strategy('file_descriptor') or use the THREAD executor."
+                f"torch.multiprocessing.set_sharing_strategy('file_descriptor') or {api.in_process}."
             )
         timed_out = None
         try:

@@ -74,14 +74,19 @@ log = logging.getLogger(__name__)
 RESULTS_RECORD = "megatron-results-r{rank}-{attempt}.msgpack"
 WRITER_SUFFIX = ".writer"  # next to the results record: the liveness token of the process writing this rank
 # Named by a StagingTimeoutError (a save waited too long for earlier ones): a Megatron user's earlier saves
-# are AsyncRequests, whose errors surface when they are finalized.
+# are AsyncRequests, whose errors surface when they are finalized. The writer goes to another process only
+# with Megatron's persistent worker; a request it cannot be sent in is dropped by Megatron's queue, which
+# then waits for it forever.
 MEGATRON_SAVE = SaveApi(
     call="dist_checkpointing.save",
     check="finalize the AsyncRequests of earlier dist_checkpointing.save calls "
     "(AsyncCallsQueue.maybe_finalize_async_calls, which raises a failed save's error) and check that each "
-    "was scheduled (AsyncCallsQueue.schedule_async_request) or run (AsyncRequest.execute_sync), by a "
-    "Megatron async worker that lives: a dead persistent worker (AsyncCallsQueue(persistent=True)) runs "
-    "nothing it is sent, and a forked writer can hang in os.fork() under Python < 3.12",
+    "was scheduled (AsyncCallsQueue.schedule_async_request) or run (AsyncRequest.execute_sync), and that "
+    "Megatron's async worker lives (a dead persistent worker, AsyncCallsQueue(persistent=True), runs "
+    "nothing it is sent; a forked writer can hang in os.fork() under Python < 3.12)",
+    other_process="Megatron's persistent worker",
+    in_process="use Megatron's forked worker (AsyncCallsQueue() without persistent=True). Megatron's queue "
+    "has dropped this save's request and waits for it forever: restart the job",
 )
 
 

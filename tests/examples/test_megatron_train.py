@@ -47,10 +47,13 @@ def _run(root: str, save: Path, job_id: str, steps: int, *options: str) -> list[
 @pytest.mark.timeout(600)  # four torchrun jobs, each importing Megatron on 2 ranks: minutes on a busy machine
 def test_resumed_run_ends_like_an_uninterrupted_one(root: str, tmp_path: Path) -> None:
     """The resumed job starts at step 20, from the checkpoint the persistent worker wrote, and its last line
-    (loss, weights digest) equals the one of 30 steps in one go; run again, it resumes at step 30 and reports the same weights and no loss (before, it
-    printed 'loss nan', as if training had diverged)."""
+    (loss, weights digest) equals the one of 30 steps in one go; run again, it resumes at step 30 and
+    reports the same weights and no loss (before, it printed 'loss nan', as if training had diverged)."""
     whole = _run(root, tmp_path / "whole", "whole", 30)
-    _run(root, tmp_path / "split", "split", 20, "--persistent-worker")
+    assert not [line for line in whole if "persistent worker" in line], whole
+    split = _run(root, tmp_path / "split", "split", 20, "--persistent-worker")
+    workers = {line.rsplit("(pid ", 1)[1] for line in split if "to the persistent worker (pid " in line}
+    assert len(workers) == 1 and sum(" on its way" in line for line in split) == 4, split
     resumed = _run(root, tmp_path / "split", "split", 30)
     assert f"resumed from {tmp_path / 'split' / 'iter_0000020'} (step 20)" in resumed, resumed
     assert resumed[-1].startswith("done at step 30: loss ") and resumed[-1] == whole[-1], (resumed, whole)

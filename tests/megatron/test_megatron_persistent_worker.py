@@ -19,6 +19,7 @@ processes only (see its docstring).
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import time
 from pathlib import Path
@@ -36,14 +37,14 @@ from megatron.core import dist_checkpointing as mdc  # noqa: E402
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
-from dcp_memstore import MemStore, StagingTimeoutError  # noqa: E402
+from dcp_memstore import MemoryStorageWriter, MemStore, StagingTimeoutError  # noqa: E402
 from dcp_memstore.megatron import MemStoreLoadStrategy, MemStoreSaveStrategy  # noqa: E402
-from dcp_memstore.megatron.save import _writer_marker  # noqa: E402
+from dcp_memstore.megatron.save import MEGATRON_SAVE, _writer_marker  # noqa: E402
 from dcp_memstore.store import liveness  # noqa: E402
 from dcp_memstore.store.faults import ENV as CRASH_AT  # noqa: E402
 from tests.megatron import test_megatron_strategies as megatron_state  # noqa: E402
 from tests.megatron.cuda_shim import shim_cuda_for_cpu, shim_persistent_worker_for_cpu  # noqa: E402
-from tests.megatron.test_megatron_fully_parallel_load import to_cpu  # noqa: E402
+from tests.megatron.test_megatron_fully_parallel_load import tensor_devices, to_cpu  # noqa: E402
 from tests.multiproc.mp_harness import JOB_ID, MultiProc, assert_bit_equal  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -100,14 +101,18 @@ def persistent_worker_job(
         deadline = time.monotonic() + WRITE_WAIT_S
         while not record.exists() and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert record.exists(), (
+            f"rank {rank}: the persistent worker wrote nothing of {name} in {WRITE_WAIT_S}s"
+        )
         seen: dict[str, Any] = {
             "writer": _writer_marker(record).read_text(),
             "committed_before_finalize": name in store.list_checkpoints(),
         }
         try:
             seen["finalized"] = queue.maybe_finalize_async_calls(blocking=True)
-            loaded = mdc.load(template(rank, world, device), str(base / name), sharded_strategy=load)
-            seen["devices"] = {t.device.type for t in loaded_tensors(loaded)}
+            target = megatron_state.template(rank, world, device)
+            loaded = mdc.load(target, str(base / name), sharded_strategy=load)
+            seen["devices"] = tensor_devices(target, loaded)
             seen["loaded"] = to_cpu(loaded)
         except CheckpointException as e:
             seen["error"] = str(e)
@@ -151,8 +156,6 @@ def killed_worker_job(rank: int, world: int, root: str, ckpts: str) -> dict[str,
     )
     out["queued_save_s"] = time.monotonic() - t0
     queue.schedule_async_request(request)  # to the dead worker: never run
-    time.sleep(1)
-    out["finalized"] = queue.maybe_finalize_async_calls(blocking=False)
 
     t0 = time.monotonic()
     try:
@@ -163,22 +166,12 @@ def killed_worker_job(rank: int, world: int, root: str, ckpts: str) -> dict[str,
     except StagingTimeoutError as e:
         out["waiting_error"] = str(e)
     out["waiting_s"] = time.monotonic() - t0
+    out["finalized"] = queue.maybe_finalize_async_calls(blocking=False)  # seconds later: still nothing
     out["committed"] = store.list_checkpoints()
     queue.close(abort=True)
     del queue  # see persistent_worker_job
     store.close()
     return out
-
-
-def template(rank: int, world: int, device: str) -> dict[str, Any]:
-    """A fresh load target of zeroed tensors on ``device``."""
-    zeros = {k: torch.zeros_like(t, device=device) for k, t in megatron_state.local_values(rank, 0).items()}
-    return megatron_state.sharded(zeros, None, rank, world)
-
-
-def loaded_tensors(loaded: dict[str, Any]) -> list[torch.Tensor]:
-    """What a load returned where the template had its ShardedTensors."""
-    return [loaded["layer"]["weight"], loaded["layer"]["proj"], loaded["norm"], loaded["optimizer"]["steps"]]
 
 
 @pytest.fixture(scope="module")
@@ -234,6 +227,8 @@ def test_a_failed_write_raises_on_every_rank_and_the_worker_writes_the_next_save
 
 
 def test_the_worker_stops_cleanly_and_leaves_no_staging_memory(job: list[dict]) -> None:
+    """``queue.close()`` stops each rank's worker (exit code 0), and no staging slot (tmpfs memory) is
+    left behind."""
     for rep in job:
         assert rep["worker_exitcode"] == 0
         assert rep["staging_left"] == []
@@ -265,3 +260,22 @@ def test_a_dead_persistent_worker_fails_the_save_that_waits_for_it_naming_the_wo
     assert "persistent worker" in error, error
     assert killed["waiting_s"] < 3 * STAGE_TIMEOUT_S, killed["waiting_s"]
     assert killed["committed"] == []
+
+
+def test_a_sharing_strategy_that_cannot_send_the_writer_names_megatrons_way_out(store: MemStore) -> None:
+    """Megatron pickles a request for its persistent worker in its queue's feeder thread, which only prints
+    the error and drops the request. So that printed error must say what to do in Megatron's terms: the
+    'file_descriptor' sharing strategy, or the forked worker, and that this save is lost."""
+    writer = MemoryStorageWriter(store)
+    writer.save_api = MEGATRON_SAVE  # as MemStoreSaveStrategy sets it
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        with pytest.raises(RuntimeError) as e:
+            pickle.dumps(writer)
+    finally:
+        torch.multiprocessing.set_sharing_strategy("file_descriptor")
+    message = str(e.value)
+    assert "reach Megatron's persistent worker" in message, message
+    assert "set_sharing_strategy('file_descriptor')" in message, message
+    assert "AsyncCallsQueue() without persistent=True" in message and "restart the job" in message, message
+    assert "THREAD executor" not in message, message

@@ -133,9 +133,10 @@ def expected_loaded(rank: int, seed: int) -> dict[str, Any]:
     }
 
 
-def template(rank: int, world: int) -> dict[str, Any]:
-    """A fresh load target: zeroed tensors of the right shapes (loads fill them in place)."""
-    return sharded({k: torch.zeros_like(t) for k, t in local_values(rank, 0).items()}, None, rank, world)
+def template(rank: int, world: int, device: str = "cpu") -> dict[str, Any]:
+    """A fresh load target: zeroed tensors of the right shapes on ``device`` (loads fill them in place)."""
+    zeros = {k: torch.zeros_like(t, device=device) for k, t in local_values(rank, 0).items()}
+    return sharded(zeros, None, rank, world)
 
 
 # -- the job ----------------------------------------------------------------------------------------------
