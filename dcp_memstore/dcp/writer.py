@@ -258,6 +258,13 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         if ticket is not None and ticket[1] is not None:
             _recycle_unwritten_before(self.store.layout, Path(ticket[1]))
 
+    def fail_when_planning(self, error: BaseException) -> None:
+        """Make the save this writer was reset for fail with ``error`` when it plans, on every rank at once
+        (DCP's first collective gathers it), unless it already fails with an earlier error: for an
+        integration that drives the writer and finds a save it cannot complete."""
+        if self._deferred_error is None:
+            self._deferred_error = error
+
     def _defer_timeout(
         self, wait: Callable[[float], None], failed: BaseException | None
     ) -> BaseException | None:

@@ -33,10 +33,12 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import logging
 import os
 import threading
 import uuid
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +103,10 @@ class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
     finalized, in order (as Megatron's queue does); the store's next save waits until its write is done.
 
     ``saves_committed`` counts the saves this process finalized (committed), for monitoring and tests.
+
+    With Megatron's persistent worker (``AsyncCallsQueue(persistent=True)``), a save made after that worker
+    died while writing fails on every rank at once, saying so: Megatron neither notices nor restarts it,
+    so nothing sent to it would ever be written (see ``_dead_persistent_worker``).
     """
 
     def __init__(self, store: MemStore) -> None:
@@ -109,6 +115,9 @@ class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
         super().__init__(BACKEND, VERSION, keep_only_main_replica=True)
         self.store = store
         self.saves_committed = 0
+        # the saves of this strategy not yet finalized, oldest first, for as long as their request lives
+        self._unfinalized: list[weakref.ref[_SaveThread]] = []
+        self._last_writer: str | None = None  # liveness token of the last writer whose results were read
         fork_guard.install()  # Megatron forks the trainer for each write; see fork_guard
 
     def async_save(
@@ -120,6 +129,7 @@ class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
         flat, _, _ = _replace_state_dict_keys_with_sharded_keys(
             sharded_state_dict, keep_only_main_replica=True
         )
+        dead_worker = self._dead_persistent_worker()
         writer = MemoryStorageWriter(self.store)
         writer.save_api = MEGATRON_SAVE
         staged = _stage(writer, flat, cid)
@@ -127,6 +137,8 @@ class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
         attempt = uuid.uuid4().hex[:12]
         record = self.store.layout.checkpoint_dir(cid) / RESULTS_RECORD.format(rank=dw.rank, attempt=attempt)
         holder = _SaveThread(writer, cid, record)
+        if dead_worker is not None:
+            writer.fail_when_planning(dead_worker)
         try:
             planner = MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False)
             plan, metadata = _plan(mcore_to_pyt_state_dict(staged, False), writer, planner, dw)
@@ -137,10 +149,46 @@ class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
         writer.finish_later()  # this process, which lives until finalize, owns the directory on this node
         _discard_earlier_attempts(record, dw.rank)  # no earlier attempt writes now: reset waited for it
         holder.watch()
+        self._unfinalized.append(weakref.ref(holder))
         finalize = functools.partial(
             self._finalize, writer, metadata, dw, holder, record, checkpoint_dir, cid
         )
         return AsyncRequest(_write_rank, (writer, plan, data, str(record)), [finalize])
+
+    def _dead_persistent_worker(self) -> RuntimeError | None:
+        """The error for a save made after Megatron's persistent worker died writing an earlier one, or None.
+
+        A writer names itself (``_mark_writer``) before it writes. A forked writer writes one save and
+        exits; the persistent worker writes every save, under one liveness token. So an unfinalized save
+        whose writer died without leaving results, where that writer had left the results of another save,
+        was written by the persistent worker, which is gone for good. A worker that died before naming
+        itself in any save is not recognised: the saves sent to it then wait as for any unfinished save. Nor
+        is a save whose request was let go (a queue closed with ``abort=True`` and dropped, whose worker
+        was killed on purpose); Megatron's queue keeps its requests in reference cycles, so such a request
+        lives until the garbage collector's next pass, which is run here before a save is refused."""
+        if self._dead_writer_of_unfinalized() is None:
+            return None
+        gc.collect()
+        return self._dead_writer_of_unfinalized()
+
+    def _dead_writer_of_unfinalized(self) -> RuntimeError | None:
+        """``_dead_persistent_worker``'s check of the saves whose requests are still referenced."""
+        finished = {self._last_writer} - {None}
+        for save in filter(None, (ref() for ref in self._unfinalized)):
+            record, cid = save.record, save.checkpoint_id
+            token = _writer_of(record)
+            if token is None:
+                continue
+            if record.exists():
+                finished.add(token)
+            elif token in finished and not liveness.alive(self.store.layout, token):
+                return RuntimeError(
+                    "Megatron's persistent checkpoint worker of this rank "
+                    f"(AsyncCallsQueue(persistent=True)) died while writing checkpoint {cid!r}; Megatron "
+                    "neither notices nor restarts it, so no later save through that queue can be written. "
+                    "Restart the job: it resumes from the newest committed checkpoint"
+                )
+        return None
 
     def _finalize(
         self,
@@ -164,6 +212,7 @@ class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
                     f"rank {dw.rank} has no results of its write of checkpoint {cid!r}: the AsyncRequest's "
                     "async_fn did not run to its end (was it scheduled? did Megatron's async worker die?)"
                 ) from None
+            self._last_writer = _writer_of(record) or self._last_writer
             record.unlink()
             _writer_marker(record).unlink(missing_ok=True)
             if "error" in rec:
@@ -179,6 +228,7 @@ class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
         try:
             dw.all_reduce("write", my_results, commit)
         finally:
+            self._unfinalized = [ref for ref in self._unfinalized if ref() not in (None, holder)]
             holder.release()
             writer.save_ended()
         self.saves_committed += 1
@@ -281,13 +331,19 @@ def _discard_earlier_attempts(record: Path, rank: int) -> None:
                 path.unlink(missing_ok=True)
 
 
-def _writer_died(layout: StoreLayout, record: Path) -> bool:
-    """Whether the process that ``_mark_writer`` named for ``record`` has ended (False until one is named)."""
+def _writer_of(record: Path) -> str | None:
+    """The liveness token of the process that ``_mark_writer`` named for ``record``; None until one is."""
     try:
         token = _writer_marker(record).read_text()
     except FileNotFoundError:
-        return False
-    return liveness.is_token(token) and not liveness.alive(layout, token)
+        return None
+    return token if liveness.is_token(token) else None
+
+
+def _writer_died(layout: StoreLayout, record: Path) -> bool:
+    """Whether the process that ``_mark_writer`` named for ``record`` has ended (False until one is named)."""
+    token = _writer_of(record)
+    return token is not None and not liveness.alive(layout, token)
 
 
 def _encode_result(r: WriteResult) -> list:
@@ -318,7 +374,7 @@ class _SaveThread:
     and that save would otherwise wait for this one forever."""
 
     def __init__(self, writer: MemoryStorageWriter, checkpoint_id: str, record: Path) -> None:
-        self._record = record
+        self.checkpoint_id, self.record = checkpoint_id, record
         self._layout = writer.store.layout
         self._watching = threading.Event()
         self._released = threading.Event()
@@ -345,9 +401,7 @@ class _SaveThread:
             self._started.set()
         delay = 0.001
         while not self._released.wait(delay):
-            if self._watching.is_set() and (
-                self._record.exists() or _writer_died(self._layout, self._record)
-            ):
+            if self._watching.is_set() and (self.record.exists() or _writer_died(self._layout, self.record)):
                 return
             delay = min(delay * 2, 0.02)
 

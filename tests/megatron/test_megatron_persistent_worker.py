@@ -59,7 +59,10 @@ SAVES = [
 KEEP = 2  # keep_in_memory: the first save is evicted by the last
 WRITE_WAIT_S = 60.0  # for the worker to leave a save's results (it imports torch and Megatron first)
 JOB_WAIT_S = 150.0
-KILLED, QUEUED, WAITING = "iter_0000010", "iter_0000020", "iter_0000030"  # the killed worker's job
+# the killed workers' job: checkpoint directories, in the order saved (the last two digits seed the state)
+WRITTEN, KILLED, REFUSED, REFUSED_AGAIN = "iter_0000011", "iter_0000012", "iter_0000013", "iter_0000014"
+FIRST_KILLED, QUEUED, WAITING = "iter_0000021", "iter_0000022", "iter_0000023"
+KILLED_JOB_DIRS = (WRITTEN, KILLED, REFUSED, REFUSED_AGAIN, FIRST_KILLED, QUEUED, WAITING)
 STAGE_TIMEOUT_S = 3
 
 
@@ -130,46 +133,57 @@ def persistent_worker_job(
 
 
 def killed_worker_job(rank: int, world: int, root: str, ckpts: str) -> dict[str, Any]:
-    """One rank: an async save whose persistent worker is SIGKILLed while it writes, a save queued behind it,
-    and a third that must wait for the queued one; report what each did."""
+    """One rank, one strategy, two persistent-worker queues. Through the first: a save, then one whose
+    worker is SIGKILLed while it writes, then two more; then it is closed with ``abort=True`` and let go.
+    Through the second: a save whose new worker is SIGKILLed in its first write, one queued behind it,
+    and a third that must wait for the queued one. Report what each did."""
     shim_cuda_for_cpu()
     shim_persistent_worker_for_cpu()
     store = MemStore(root, JOB_ID, io_threads=2, stage_timeout_s=STAGE_TIMEOUT_S)
-    save = MemStoreSaveStrategy(store)
-    queue = AsyncCallsQueue(persistent=True)
     base = Path(ckpts)
     out: dict[str, Any] = {}
 
-    request = mdc.save(
-        state(rank, world, 1)[1], str(base / KILLED), sharded_strategy=save, async_sharded_save=True
-    )
-    os.environ[CRASH_AT] = "write-data"  # the worker, spawned now, inherits it and dies in its first write
-    queue.schedule_async_request(request)
-    os.environ.pop(CRASH_AT)
+    def save(queue: AsyncCallsQueue, strategy: MemStoreSaveStrategy, name: str, crash: str = "") -> str:
+        """Save ``name`` through ``queue``; its outcome ("scheduled" or the error), and the seconds taken."""
+        t0 = time.monotonic()
+        try:
+            sd = state(rank, world, int(name[-2:]))[1]
+            request = mdc.save(sd, str(base / name), sharded_strategy=strategy, async_sharded_save=True)
+        except (CheckpointException, StagingTimeoutError) as e:
+            out[f"{name}_s"] = time.monotonic() - t0
+            return f"{type(e).__name__}: {e}"
+        out[f"{name}_s"] = time.monotonic() - t0
+        if crash:  # a worker spawned now inherits it
+            os.environ[CRASH_AT] = crash
+        queue.schedule_async_request(request)
+        os.environ.pop(CRASH_AT, None)
+        return "scheduled"
+
+    # 1. the worker is killed in its second write, after it wrote a save: recognised
+    queue, strategy = AsyncCallsQueue(persistent=True), MemStoreSaveStrategy(store)
+    out[WRITTEN] = save(queue, strategy, WRITTEN, crash=f"write-data:{rank}:2")
+    out["written_finalized"] = queue.maybe_finalize_async_calls(blocking=True)
+    out[KILLED] = save(queue, strategy, KILLED)
     worker = queue.persistent_caller.process
     worker.join(WRITE_WAIT_S)
     out["worker_exitcode"] = worker.exitcode
+    out[REFUSED] = save(queue, strategy, REFUSED)
+    out[REFUSED_AGAIN] = save(queue, strategy, REFUSED_AGAIN)
+    out["refused_finalized"] = queue.maybe_finalize_async_calls(blocking=False)
+    queue.close(abort=True)
+    del queue  # now, while the process group exists: Megatron's __del__ asks it for this rank
 
-    t0 = time.monotonic()  # the killed save's writer named itself: this save does not wait for it
-    request = mdc.save(
-        state(rank, world, 2)[1], str(base / QUEUED), sharded_strategy=save, async_sharded_save=True
-    )
-    out["queued_save_s"] = time.monotonic() - t0
-    queue.schedule_async_request(request)  # to the dead worker: never run
-
-    t0 = time.monotonic()
-    try:
-        mdc.save(
-            state(rank, world, 3)[1], str(base / WAITING), sharded_strategy=save, async_sharded_save=True
-        )
-        out["waiting_error"] = None
-    except StagingTimeoutError as e:
-        out["waiting_error"] = str(e)
-    out["waiting_s"] = time.monotonic() - t0
-    out["finalized"] = queue.maybe_finalize_async_calls(blocking=False)  # seconds later: still nothing
+    # 2. the same strategy, through a new queue (the first one's requests were let go with it), whose new
+    # worker is killed in its first write: not recognised, so the saves queue up behind it
+    queue = AsyncCallsQueue(persistent=True)
+    out[FIRST_KILLED] = save(queue, strategy, FIRST_KILLED, crash=f"write-data:{rank}:1")
+    queue.persistent_caller.process.join(WRITE_WAIT_S)
+    out[QUEUED] = save(queue, strategy, QUEUED)  # sent to the dead worker: never run
+    out[WAITING] = save(queue, strategy, WAITING)
+    out["queued_finalized"] = queue.maybe_finalize_async_calls(blocking=False)  # seconds later: nothing
     out["committed"] = store.list_checkpoints()
     queue.close(abort=True)
-    del queue  # see persistent_worker_job
+    del queue
     store.close()
     return out
 
@@ -239,7 +253,7 @@ def killed() -> Any:
     """Run the one-rank job whose worker is killed; its report."""
     m = MultiProc()
     try:
-        for name in (KILLED, QUEUED, WAITING):
+        for name in KILLED_JOB_DIRS:
             (m.workdir / "ckpts" / name).mkdir(parents=True)
         yield m.start(killed_worker_job, 1, str(m.root), str(m.workdir / "ckpts")).check(timeout=JOB_WAIT_S)[
             0
@@ -248,18 +262,38 @@ def killed() -> Any:
         m.close()
 
 
-def test_a_dead_persistent_worker_fails_the_save_that_waits_for_it_naming_the_worker(killed: dict) -> None:
-    """Megatron never runs nor finalizes what it sent to its dead worker; the save after the killed one
-    stages at once, and the one that must wait for a request the dead worker holds fails after
-    stage_timeout_s with a StagingTimeoutError that names a dead persistent worker. Nothing is committed."""
+def test_a_save_after_the_persistent_worker_died_writing_fails_at_once_saying_so(killed: dict) -> None:
+    """Megatron never runs what it sends to a dead persistent worker. Once the worker that wrote a save
+    dies writing the next one, every later save fails at once (in DCP's CheckpointException, on every rank)
+    with an error that names the dead worker, the checkpoint it was writing, and the way out, instead of
+    being sent to that worker and waited for."""
+    assert killed[WRITTEN] == "scheduled" and killed["written_finalized"] == [0]
+    assert killed[KILLED] == "scheduled"
     assert killed["worker_exitcode"] == -9
-    assert killed["queued_save_s"] < STAGE_TIMEOUT_S, killed["queued_save_s"]
-    assert killed["finalized"] == []
-    error = killed["waiting_error"]
-    assert error is not None and f"waited {STAGE_TIMEOUT_S}s" in error, error
+    for name in (REFUSED, REFUSED_AGAIN):
+        error = killed[name]
+        assert error.startswith("CheckpointException"), error
+        assert "persistent checkpoint worker of this rank" in error, error
+        assert f"died while writing checkpoint {KILLED!r}" in error and "Restart the job" in error, error
+        assert killed[f"{name}_s"] < STAGE_TIMEOUT_S, killed[f"{name}_s"]
+    assert killed["refused_finalized"] == []
+
+
+def test_a_worker_dead_before_it_wrote_anything_fails_the_save_that_waits_for_it(killed: dict) -> None:
+    """The saves of a queue that was closed with ``abort=True`` and let go no longer count: the strategy
+    saves through a new queue. That queue's worker, killed in its first write, cannot be told from a slow
+    one. The save after it stages at once,
+    and the one that must wait for a request the dead worker holds fails after stage_timeout_s with a
+    StagingTimeoutError that names a dead persistent worker as a cause. Nothing is committed but the save
+    the first worker wrote."""
+    assert killed[FIRST_KILLED] == "scheduled" and killed[QUEUED] == "scheduled"
+    assert killed[f"{QUEUED}_s"] < STAGE_TIMEOUT_S, killed[f"{QUEUED}_s"]
+    error = killed[WAITING]
+    assert error.startswith("StagingTimeoutError") and f"waited {STAGE_TIMEOUT_S}s" in error, error
     assert "persistent worker" in error, error
-    assert killed["waiting_s"] < 3 * STAGE_TIMEOUT_S, killed["waiting_s"]
-    assert killed["committed"] == []
+    assert killed[f"{WAITING}_s"] < 3 * STAGE_TIMEOUT_S, killed[f"{WAITING}_s"]
+    assert killed["queued_finalized"] == []
+    assert killed["committed"] == [WRITTEN]
 
 
 def test_a_sharing_strategy_that_cannot_send_the_writer_names_megatrons_way_out(store: MemStore) -> None:
