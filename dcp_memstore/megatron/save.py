@@ -31,6 +31,7 @@ them as follows.
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import gc
@@ -75,6 +76,7 @@ log = logging.getLogger(__name__)
 # in the store's checkpoint directory, until finalize: a rank's results of one attempt at the checkpoint
 RESULTS_RECORD = "megatron-results-r{rank}-{attempt}.msgpack"
 WRITER_SUFFIX = ".writer"  # next to the results record: the liveness token of the process writing this rank
+FINISHED_WRITERS = 4  # how many writers of finished saves a strategy remembers (see _dead_persistent_worker)
 # Named by a StagingTimeoutError (a save waited too long for earlier ones): a Megatron user's earlier saves
 # are AsyncRequests, whose errors surface when they are finalized. The writer goes to another process only
 # with Megatron's persistent worker; a request it cannot be sent in is dropped by Megatron's queue, which
@@ -117,7 +119,9 @@ class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
         self.saves_committed = 0
         # the saves of this strategy not yet finalized, oldest first, for as long as their request lives
         self._unfinalized: list[weakref.ref[_SaveThread]] = []
-        self._last_writer: str | None = None  # liveness token of the last writer whose results were read
+        # liveness tokens of the last writers whose results were read (a few: a synchronous save's writer
+        # is the trainer)
+        self._finished_writers: collections.deque[str] = collections.deque(maxlen=FINISHED_WRITERS)
         fork_guard.install()  # Megatron forks the trainer for each write; see fork_guard
 
     def async_save(
@@ -129,17 +133,17 @@ class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
         flat, _, _ = _replace_state_dict_keys_with_sharded_keys(
             sharded_state_dict, keep_only_main_replica=True
         )
-        dead_worker = self._dead_persistent_worker()
         writer = MemoryStorageWriter(self.store)
         writer.save_api = MEGATRON_SAVE
         staged = _stage(writer, flat, cid)
         dw = _DistWrapper(None, True, 0)
         attempt = uuid.uuid4().hex[:12]
         record = self.store.layout.checkpoint_dir(cid) / RESULTS_RECORD.format(rank=dw.rank, attempt=attempt)
-        holder = _SaveThread(writer, cid, record)
-        if dead_worker is not None:
-            writer.fail_when_planning(dead_worker)
+        holder = _SaveThread(writer, cid, record)  # returns once earlier saves are written or dead
         try:
+            dead_worker = self._dead_persistent_worker()
+            if dead_worker is not None:
+                writer.fail_when_planning(dead_worker)
             planner = MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False)
             plan, metadata = _plan(mcore_to_pyt_state_dict(staged, False), writer, planner, dw)
             data = _ResolvedData({item.index: planner.resolve_data(item) for item in plan.items})
@@ -160,20 +164,27 @@ class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
 
         A writer names itself (``_mark_writer``) before it writes. A forked writer writes one save and
         exits; the persistent worker writes every save, under one liveness token. So an unfinalized save
-        whose writer died without leaving results, where that writer had left the results of another save,
-        was written by the persistent worker, which is gone for good. A worker that died before naming
-        itself in any save is not recognised: the saves sent to it then wait as for any unfinished save. Nor
-        is a save whose request was let go (a queue closed with ``abort=True`` and dropped, whose worker
-        was killed on purpose); Megatron's queue keeps its requests in reference cycles, so such a request
-        lives until the garbage collector's next pass, which is run here before a save is refused."""
-        if self._dead_writer_of_unfinalized() is None:
+        whose writer died without leaving results, where that writer had left the results of another save
+        of this strategy, was written by the persistent worker, which is gone for good. A worker that died
+        before it had written a save (in its first write, or before it) is not recognised: the saves sent to
+        it then wait as for any unfinished save. Nor is a save whose request was let go (a queue closed with
+        ``abort=True`` and dropped, whose worker was killed on purpose); Megatron's queue keeps its requests
+        in reference cycles, so such a request lives until the garbage collector's next pass, which is run
+        here before a save is refused. Called once earlier saves' writes are done or their writers dead, so
+        a worker that died writing the previous save is seen dead. A store it cannot read (OSError) is
+        taken for a live worker: this rank must not leave the save before its collectives."""
+        try:
+            if self._dead_writer_of_unfinalized() is None:
+                return None
+            gc.collect()
+            return self._dead_writer_of_unfinalized()
+        except OSError as e:
+            log.warning("could not check whether Megatron's persistent worker lives: %s", e)
             return None
-        gc.collect()
-        return self._dead_writer_of_unfinalized()
 
     def _dead_writer_of_unfinalized(self) -> RuntimeError | None:
         """``_dead_persistent_worker``'s check of the saves whose requests are still referenced."""
-        finished = {self._last_writer} - {None}
+        finished = set(self._finished_writers)
         for save in filter(None, (ref() for ref in self._unfinalized)):
             record, cid = save.record, save.checkpoint_id
             token = _writer_of(record)
@@ -212,7 +223,9 @@ class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
                     f"rank {dw.rank} has no results of its write of checkpoint {cid!r}: the AsyncRequest's "
                     "async_fn did not run to its end (was it scheduled? did Megatron's async worker die?)"
                 ) from None
-            self._last_writer = _writer_of(record) or self._last_writer
+            token = _writer_of(record)
+            if token is not None and token not in self._finished_writers:
+                self._finished_writers.append(token)
             record.unlink()
             _writer_marker(record).unlink(missing_ok=True)
             if "error" in rec:

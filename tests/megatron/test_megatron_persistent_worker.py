@@ -164,11 +164,11 @@ def killed_worker_job(rank: int, world: int, root: str, ckpts: str) -> dict[str,
     out[WRITTEN] = save(queue, strategy, WRITTEN, crash=f"write-data:{rank}:2")
     out["written_finalized"] = queue.maybe_finalize_async_calls(blocking=True)
     out[KILLED] = save(queue, strategy, KILLED)
+    out[REFUSED] = save(queue, strategy, REFUSED)  # made at once: its turn comes when the worker has died
+    out[REFUSED_AGAIN] = save(queue, strategy, REFUSED_AGAIN)
     worker = queue.persistent_caller.process
     worker.join(WRITE_WAIT_S)
     out["worker_exitcode"] = worker.exitcode
-    out[REFUSED] = save(queue, strategy, REFUSED)
-    out[REFUSED_AGAIN] = save(queue, strategy, REFUSED_AGAIN)
     out["refused_finalized"] = queue.maybe_finalize_async_calls(blocking=False)
     queue.close(abort=True)
     del queue  # now, while the process group exists: Megatron's __del__ asks it for this rank
