@@ -58,7 +58,7 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 
 from dcp_memstore.dcp.save_order import SaveApi
 from dcp_memstore.dcp.writer import MemoryStorageWriter
-from dcp_memstore.megatron import fork_guard
+from dcp_memstore.megatron import fork_guard, trainer_watch
 from dcp_memstore.megatron.checkpoint_dir import (
     BACKEND,
     VERSION,
@@ -157,7 +157,7 @@ class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
         finalize = functools.partial(
             self._finalize, writer, metadata, dw, holder, record, checkpoint_dir, cid
         )
-        return AsyncRequest(_write_rank, (writer, plan, data, str(record)), [finalize])
+        return AsyncRequest(_write_rank, (writer, plan, data, str(record), os.getpid()), [finalize])
 
     def _dead_persistent_worker(self) -> RuntimeError | None:
         """The error for a save made after Megatron's persistent worker died writing an earlier one, or None.
@@ -299,13 +299,17 @@ class _ResolvedData:
         return self.data[item.index]
 
 
-def _write_rank(writer: MemoryStorageWriter, plan: SavePlan, data: _ResolvedData, record: str) -> None:
+def _write_rank(
+    writer: MemoryStorageWriter, plan: SavePlan, data: _ResolvedData, record: str, trainer_pid: int
+) -> None:
     """The request's ``async_fn``: write this rank's part of the checkpoint, then leave its results (or its
-    error) in ``record`` for the finalize step, which may run in another process.
+    error) in ``record`` for the finalize step, which may run in another process. A process other than the
+    trainer (process ``trainer_pid``) first arranges to end with it (see ``trainer_watch``).
 
     An error is not raised here: the finalize step raises it on every rank. Raised here, it would skip this
     rank's finalize in a synchronous save (``execute_sync``), and the other ranks would wait for it in
     finalize's collective until the process group timed out."""
+    trainer_watch.watch(trainer_pid)
     try:
         _mark_writer(writer.store.layout, Path(record))
         outcome = {"results": [_encode_result(r) for r in writer.write_data(plan, data).value()]}

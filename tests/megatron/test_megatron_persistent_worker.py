@@ -21,10 +21,12 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 pytest.importorskip(
@@ -64,6 +66,7 @@ WRITTEN, KILLED, REFUSED, REFUSED_AGAIN = "iter_0000011", "iter_0000012", "iter_
 FIRST_KILLED, QUEUED, WAITING = "iter_0000021", "iter_0000022", "iter_0000023"
 KILLED_JOB_DIRS = (WRITTEN, KILLED, REFUSED, REFUSED_AGAIN, FIRST_KILLED, QUEUED, WAITING)
 STAGE_TIMEOUT_S = 3
+ORPHAN_WAIT_S = 10  # the worker checks for its trainer twice a second
 
 
 def state(rank: int, world: int, seed: int, device: str = "cpu") -> tuple[dict[str, Any], dict[str, Any]]:
@@ -313,3 +316,47 @@ def test_a_sharing_strategy_that_cannot_send_the_writer_names_megatrons_way_out(
     assert "set_sharing_strategy('file_descriptor')" in message, message
     assert "AsyncCallsQueue() without persistent=True" in message and "restart the job" in message, message
     assert "THREAD executor" not in message, message
+
+
+def orphaning_job(rank: int, world: int, root: str, ckpts: str) -> None:
+    """One rank: a save through the persistent worker, finalized; then the worker's pid goes to a file
+    and the trainer SIGKILLs itself."""
+    shim_cuda_for_cpu()
+    shim_persistent_worker_for_cpu()
+    store = MemStore(root, JOB_ID, io_threads=2)
+    queue, strategy = AsyncCallsQueue(persistent=True), MemStoreSaveStrategy(store)
+    sd = state(rank, world, 1)[1]
+    queue.schedule_async_request(
+        mdc.save(sd, str(Path(ckpts) / WRITTEN), sharded_strategy=strategy, async_sharded_save=True)
+    )
+    queue.maybe_finalize_async_calls(blocking=True)
+    (Path(ckpts) / "worker.pid").write_text(str(queue.persistent_caller.process.pid))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_the_worker_ends_when_its_trainer_is_killed() -> None:
+    """Megatron's persistent worker waits for requests for as long as it lives; once its trainer is
+    SIGKILLed it ends too (within a few seconds), instead of living on as an orphan that keeps the
+    mappings of the shard files it wrote."""
+    m = MultiProc()
+    try:
+        ckpts = m.workdir / "ckpts"
+        (ckpts / WRITTEN).mkdir(parents=True)
+        job = m.start(orphaning_job, 1, str(m.root), str(ckpts))
+        assert job.wait(timeout=JOB_WAIT_S), job.errors()
+        assert job.exitcodes() == [-signal.SIGKILL], job.errors()
+        worker = int((ckpts / "worker.pid").read_text())
+        deadline = time.monotonic() + ORPHAN_WAIT_S
+        while _runs(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _runs(worker), f"the persistent worker (pid {worker}) outlived its trainer"
+    finally:
+        m.close()
+
+
+def _runs(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not ended (a zombie has)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

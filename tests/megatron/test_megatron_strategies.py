@@ -490,7 +490,7 @@ def test_async_fn_does_not_raise_when_it_cannot_even_record_its_outcome(tmp_path
         def write_data(self, plan: Any, data: Any) -> Any:
             raise OSError(28, "No space left on device")
 
-    _write_rank(FullTmpfs(), None, None, str(tmp_path / "gone" / "record"))  # type: ignore[arg-type]
+    _write_rank(FullTmpfs(), None, None, str(tmp_path / "gone" / "record"), os.getpid())  # type: ignore[arg-type]
     assert not (tmp_path / "gone").exists()
 
 
