@@ -235,17 +235,18 @@ class Persister:
                 events.emit, self.layout, "persist", cid, rank, time.time() - started,
                 target=self.target.url_of(cid), ok=False, error=describe(e),
             )  # fmt: skip
+            # the event first: a wait_persisted that the reported state ends has seen it
             if is_permanent(e):
                 log.error("persisting checkpoint %r to %s failed: %s", cid, self.target.url, e)
-                progress.report(rank, "failed", describe(e), since=started)
                 failed(retry_s=None)
+                progress.report(rank, "failed", describe(e), since=started)
                 return False
             log.warning(
                 "persisting checkpoint %r to %s: %s; retrying in %.1f s", cid, self.target.url, e, backoff
             )
+            failed(retry_s=backoff)
             progress.report(rank, "retrying", describe(e))
             self._retry_at[cid] = (time.monotonic() + backoff, min(backoff * 2, BACKOFF_MAX_S))
-            failed(retry_s=backoff)
         return progress.owed() and not progress.persisted()
 
     def _advance(self, rec: catalog.CommitRecord, progress: Progress, rank: int) -> None:
