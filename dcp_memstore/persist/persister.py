@@ -307,11 +307,12 @@ class Persister:
                 self._settle_if_published(rec, progress)
             self._require_current(rec)
             self._clear_leftovers(cid)
-            progress.mark_persisted()
+            # the event before the mark, as for failures: a wait_persisted that the mark ends has seen it
             events.emit(
                 self.layout, "persist", cid, rank, time.time() - rec.committed_at,
-                nbytes=rec.nbytes, target=self.target.url_of(cid), owed=self._still_owed(),
+                nbytes=rec.nbytes, target=self.target.url_of(cid), owed=self._still_owed(but=cid),
             )  # fmt: skip
+            progress.mark_persisted()
         progress.report(rank, "persisted")
         forget_lock(self.layout, self.target, cid)
         catalog.evict(self.layout, self.keep)  # it may have been held past its turn
@@ -384,9 +385,10 @@ class Persister:
         crash_point("persist-upload", rank)
         return os.path.getsize(local_dir / file)
 
-    def _still_owed(self) -> tuple[str, ...]:
-        """The checkpoints in this node's memory that are still owed to the target (for events)."""
-        ids = (r.checkpoint_id for r in catalog.committed(self.layout))
+    def _still_owed(self, but: str) -> tuple[str, ...]:
+        """The checkpoints in this node's memory other than ``but`` (just published) that are still owed
+        to the target (for events)."""
+        ids = (r.checkpoint_id for r in catalog.committed(self.layout) if r.checkpoint_id != but)
         return tuple(cid for cid in ids if is_owed(self.layout, cid, self.target.url))
 
     def _settle_if_published(self, rec: catalog.CommitRecord, progress: Progress) -> None:

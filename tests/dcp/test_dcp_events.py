@@ -4,6 +4,7 @@ store's ``on_event`` callback and to the ``dcp_memstore.events`` logger; reporti
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,30 @@ def test_uploads_report_failures_then_what_is_still_owed(shm_dir, tmp_path):
         assert [(e.checkpoint_id, e.ok, e.owed) for e in persist] == [("a", True, ("b",))]
         assert persist[0].nbytes == catalog.read_commit(store.layout, "a").nbytes
         assert persist[0].target.endswith("/a") and persist[0].seconds > 0
+
+
+def test_a_slow_callback_has_the_persist_event_before_wait_persisted_returns(shm_dir, tmp_path):
+    """The ``persist`` event, success or failure, is delivered before the state that ends
+    ``wait_persisted`` is set: a metrics callback slower than the wait still sees it first."""
+    seen: list[Event] = []
+
+    def slow(event: Event) -> None:
+        if event.phase == "persist":
+            time.sleep(0.5)  # a slow metrics backend
+        seen.append(event)
+
+    target = tmp_path / "bucket"
+    with MemStore(root=shm_dir, job_id="job", on_event=slow, persist_to=str(target)) as store:
+        save(store, _state(7), "ok")
+        store.persist("ok")
+        store.wait_persisted("ok", timeout=60)
+        assert [(e.checkpoint_id, e.ok) for e in seen if e.phase == "persist"] == [("ok", True)]
+
+        target.rename(tmp_path / "moved")
+        target.write_bytes(b"")  # uploads fail for good (NotADirectoryError)
+        save(store, _state(8), "bad")
+        store.persist("bad")
+        with pytest.raises(PersistError):
+            store.wait_persisted("bad", timeout=30)
+        persisted = [(e.checkpoint_id, e.ok) for e in seen if e.phase == "persist"]
+        assert persisted == [("ok", True), ("bad", False)]
