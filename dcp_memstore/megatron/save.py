@@ -31,12 +31,13 @@ them as follows.
 
 from __future__ import annotations
 
-import collections
 import copy
+import dataclasses
 import functools
 import gc
 import logging
 import os
+import sys
 import threading
 import uuid
 import weakref
@@ -76,7 +77,7 @@ log = logging.getLogger(__name__)
 # in the store's checkpoint directory, until finalize: a rank's results of one attempt at the checkpoint
 RESULTS_RECORD = "megatron-results-r{rank}-{attempt}.msgpack"
 WRITER_SUFFIX = ".writer"  # next to the results record: the liveness token of the process writing this rank
-FINISHED_WRITERS = 4  # how many writers of finished saves a strategy remembers (see _dead_persistent_worker)
+PERSISTENT = "persistent"  # the writer marker's second line where Megatron's persistent worker writes
 # Named by a StagingTimeoutError (a save waited too long for earlier ones): a Megatron user's earlier saves
 # are AsyncRequests, whose errors surface when they are finalized. The writer goes to another process only
 # with Megatron's persistent worker; a request it cannot be sent in is dropped by Megatron's queue, which
@@ -119,9 +120,6 @@ class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
         self.saves_committed = 0
         # the saves of this strategy not yet finalized, oldest first, for as long as their request lives
         self._unfinalized: list[weakref.ref[_SaveThread]] = []
-        # liveness tokens of the last writers whose results were read (a few: a synchronous save's writer
-        # is the trainer)
-        self._finished_writers: collections.deque[str] = collections.deque(maxlen=FINISHED_WRITERS)
         fork_guard.install()  # Megatron forks the trainer for each write; see fork_guard
 
     def async_save(
@@ -162,17 +160,18 @@ class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
     def _dead_persistent_worker(self) -> RuntimeError | None:
         """The error for a save made after Megatron's persistent worker died writing an earlier one, or None.
 
-        A writer names itself (``_mark_writer``) before it writes. A forked writer writes one save and
-        exits; the persistent worker writes every save, under one liveness token. So an unfinalized save
-        whose writer died without leaving results, where that writer had left the results of another save
-        of this strategy, was written by the persistent worker, which is gone for good. A worker that died
-        before it had written a save (in its first write, or before it) is not recognised: the saves sent to
-        it then wait as for any unfinished save. Nor is a save whose request was let go (a queue closed with
-        ``abort=True`` and dropped, whose worker was killed on purpose); Megatron's queue keeps its requests
-        in reference cycles, so such a request lives until the garbage collector's next pass, which is run
-        here before a save is refused. Called once earlier saves' writes are done or their writers dead, so
-        a worker that died writing the previous save is seen dead. A store it cannot read (OSError) is
-        taken for a live worker: this rank must not leave the save before its collectives."""
+        A writer names itself (``_mark_writer``) before it writes, and says whether it is Megatron's
+        persistent worker. A forked writer writes one save; its death fails that save alone, and Megatron
+        forks a new one for the next. The persistent worker is sent every save: an unfinalized save whose
+        persistent writer died without leaving results means that nothing sent to it since will be
+        written. A worker that died before it started a write (idle between saves, or starting up) is not
+        recognised: the saves sent to it then wait as for any unfinished save. Nor is a save whose request
+        was let go (a queue closed with ``abort=True`` and dropped, whose worker was killed on purpose);
+        Megatron's queue keeps its requests in reference cycles, so such a request lives until the garbage
+        collector's next pass, which is run here before a save is refused. Called once earlier saves'
+        writes are done or their writers dead, so a worker that died writing the previous save is seen
+        dead. A store it cannot read (OSError) is taken for a live worker: this rank must not leave the save
+        before its collectives."""
         try:
             if self._dead_writer_of_unfinalized() is None:
                 return None
@@ -184,15 +183,12 @@ class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
 
     def _dead_writer_of_unfinalized(self) -> RuntimeError | None:
         """``_dead_persistent_worker``'s check of the saves whose requests are still referenced."""
-        finished = set(self._finished_writers)
         for save in filter(None, (ref() for ref in self._unfinalized)):
             record, cid = save.record, save.checkpoint_id
-            token = _writer_of(record)
-            if token is None:
+            writer = _writer_of(record)
+            if writer is None or not writer.persistent or record.exists():
                 continue
-            if record.exists():
-                finished.add(token)
-            elif token in finished and not liveness.alive(self.store.layout, token):
+            if not liveness.alive(self.store.layout, writer.token):
                 return RuntimeError(
                     "Megatron's persistent checkpoint worker of this rank "
                     f"(AsyncCallsQueue(persistent=True)) died while writing checkpoint {cid!r}; Megatron "
@@ -223,9 +219,6 @@ class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
                     f"rank {dw.rank} has no results of its write of checkpoint {cid!r}: the AsyncRequest's "
                     "async_fn did not run to its end (was it scheduled? did Megatron's async worker die?)"
                 ) from None
-            token = _writer_of(record)
-            if token is not None and token not in self._finished_writers:
-                self._finished_writers.append(token)
             record.unlink()
             _writer_marker(record).unlink(missing_ok=True)
             if "error" in rec:
@@ -329,11 +322,26 @@ def _writer_marker(record: Path) -> Path:
 def _mark_writer(layout: StoreLayout, record: Path) -> None:
     """Name the process that writes this rank's part (by its liveness token, see ``store/liveness.py``), so
     that the trainer learns when that process dies before leaving ``record``: Megatron's forked worker may
-    be killed (SIGKILL, the OOM killer), and the trainer's next save must not wait for it."""
+    be killed (SIGKILL, the OOM killer), and the trainer's next save must not wait for it. A second line
+    says that the process is Megatron's persistent worker, to which the trainer's later saves go too."""
+    text = liveness.own_token(layout) + (f"\n{PERSISTENT}" if _in_persistent_worker() else "")
     try:
-        write_atomic(_writer_marker(record), liveness.own_token(layout).encode())
+        write_atomic(_writer_marker(record), text.encode())
     except OSError as e:  # then the trainer waits for the record (or the finalize step) alone
         log.warning("could not record which process writes %s: %s", record, e)
+
+
+def _in_persistent_worker() -> bool:
+    """Whether this call runs in Megatron's persistent worker: under its loop
+    (``PersistentAsyncCaller.async_loop``), which runs every request the trainer sends, where a forked
+    worker runs the request's function as its process's target."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "async_loop" and frame.f_globals.get("__name__") == AsyncRequest.__module__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _discard_earlier_attempts(record: Path, rank: int) -> None:
@@ -348,19 +356,28 @@ def _discard_earlier_attempts(record: Path, rank: int) -> None:
                 path.unlink(missing_ok=True)
 
 
-def _writer_of(record: Path) -> str | None:
-    """The liveness token of the process that ``_mark_writer`` named for ``record``; None until one is."""
+@dataclasses.dataclass(frozen=True)
+class _Writer:
+    """The process that ``_mark_writer`` named: its liveness token, and whether it is Megatron's
+    persistent worker."""
+
+    token: str
+    persistent: bool
+
+
+def _writer_of(record: Path) -> _Writer | None:
+    """The process that ``_mark_writer`` named for ``record``; None until one is."""
     try:
-        token = _writer_marker(record).read_text()
+        token, _, kind = _writer_marker(record).read_text().partition("\n")
     except FileNotFoundError:
         return None
-    return token if liveness.is_token(token) else None
+    return _Writer(token, kind == PERSISTENT) if liveness.is_token(token) else None
 
 
 def _writer_died(layout: StoreLayout, record: Path) -> bool:
     """Whether the process that ``_mark_writer`` named for ``record`` has ended (False until one is named)."""
-    token = _writer_of(record)
-    return token is not None and not liveness.alive(layout, token)
+    writer = _writer_of(record)
+    return writer is not None and not liveness.alive(layout, writer.token)
 
 
 def _encode_result(r: WriteResult) -> list:

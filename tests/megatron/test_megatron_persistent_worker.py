@@ -7,9 +7,9 @@ with our writer and the staged tensors in it, is pickled to that process. Each r
 one after another through one queue: three that commit, and between them one whose write fails in the
 worker. The live tensors are overwritten right after each ``save`` returns.
 
-Megatron does not watch that worker. A second job, on one rank, has it killed for real (the store's crash
-point, SIGKILL) while it writes: no request sent to it is ever run or finalized, and the trainer's save
-that has to wait for one of them must fail with advice that names the dead worker.
+Megatron does not watch that worker. A second job, on one rank, has it killed for real (SIGKILL: the
+store's crash point while it writes, or a kill while it waits for work): no request sent to it is ever
+run or finalized, so the trainer's later saves must fail, saying why.
 
 Megatron calls CUDA-only functions on its async path even for CPU tensors, and its persistent worker
 selects a CUDA device first thing; ``cuda_shim`` stands them in for this CPU-only torch, in the job's
@@ -63,8 +63,19 @@ WRITE_WAIT_S = 60.0  # for the worker to leave a save's results (it imports torc
 JOB_WAIT_S = 150.0
 # the killed workers' job: checkpoint directories, in the order saved (the last two digits seed the state)
 WRITTEN, KILLED, REFUSED, REFUSED_AGAIN = "iter_0000011", "iter_0000012", "iter_0000013", "iter_0000014"
-FIRST_KILLED, QUEUED, WAITING = "iter_0000021", "iter_0000022", "iter_0000023"
-KILLED_JOB_DIRS = (WRITTEN, KILLED, REFUSED, REFUSED_AGAIN, FIRST_KILLED, QUEUED, WAITING)
+FIRST_KILLED, FIRST_REFUSED = "iter_0000021", "iter_0000022"
+IDLE_WRITTEN, QUEUED, WAITING = "iter_0000031", "iter_0000032", "iter_0000033"
+KILLED_JOB_DIRS = (
+    WRITTEN,
+    KILLED,
+    REFUSED,
+    REFUSED_AGAIN,
+    FIRST_KILLED,
+    FIRST_REFUSED,
+    IDLE_WRITTEN,
+    QUEUED,
+    WAITING,
+)
 STAGE_TIMEOUT_S = 3
 ORPHAN_WAIT_S = 10  # the worker checks for its trainer twice a second
 
@@ -111,7 +122,7 @@ def persistent_worker_job(
             f"rank {rank}: the persistent worker wrote nothing of {name} in {WRITE_WAIT_S}s"
         )
         seen: dict[str, Any] = {
-            "writer": _writer_marker(record).read_text(),
+            "writer": _writer_marker(record).read_text().split("\n"),  # its token, and what it is
             "committed_before_finalize": name in store.list_checkpoints(),
         }
         try:
@@ -136,10 +147,11 @@ def persistent_worker_job(
 
 
 def killed_worker_job(rank: int, world: int, root: str, ckpts: str) -> dict[str, Any]:
-    """One rank, one strategy, two persistent-worker queues. Through the first: a save, then one whose
-    worker is SIGKILLed while it writes, then two more; then it is closed with ``abort=True`` and let go.
-    Through the second: a save whose new worker is SIGKILLed in its first write, one queued behind it,
-    and a third that must wait for the queued one. Report what each did."""
+    """One rank, one strategy, three persistent-worker queues, each closed with ``abort=True`` and let go
+    after use. Through the first: a save, then one whose worker is SIGKILLed while it writes, then two
+    more. Through the second: a save whose new worker is SIGKILLed in its first write, then one more.
+    Through the third: a save, then the idle worker is SIGKILLed, then a save queued for it and one that
+    must wait for the queued one. Report what each did."""
     shim_cuda_for_cpu()
     shim_persistent_worker_for_cpu()
     store = MemStore(root, JOB_ID, io_threads=2, stage_timeout_s=STAGE_TIMEOUT_S)
@@ -177,10 +189,23 @@ def killed_worker_job(rank: int, world: int, root: str, ckpts: str) -> dict[str,
     del queue  # now, while the process group exists: Megatron's __del__ asks it for this rank
 
     # 2. the same strategy, through a new queue (the first one's requests were let go with it), whose new
-    # worker is killed in its first write: not recognised, so the saves queue up behind it
+    # worker is killed in its first write: recognised too
     queue = AsyncCallsQueue(persistent=True)
     out[FIRST_KILLED] = save(queue, strategy, FIRST_KILLED, crash=f"write-data:{rank}:1")
     queue.persistent_caller.process.join(WRITE_WAIT_S)
+    out[FIRST_REFUSED] = save(queue, strategy, FIRST_REFUSED)
+    queue.close(abort=True)
+    del queue
+
+    # 3. a new queue, whose worker is killed while it waits for work: not recognised, so the saves queue
+    # up behind the one sent to it
+    queue = AsyncCallsQueue(persistent=True)
+    out[IDLE_WRITTEN] = save(queue, strategy, IDLE_WRITTEN)
+    out["idle_written_finalized"] = queue.maybe_finalize_async_calls(blocking=True)
+    worker = getattr(queue.persistent_caller, "process", None)
+    if worker is not None:  # None where that save failed (the test says how)
+        worker.kill()
+        worker.join(WRITE_WAIT_S)
     out[QUEUED] = save(queue, strategy, QUEUED)  # sent to the dead worker: never run
     out[WAITING] = save(queue, strategy, WAITING)
     out["queued_finalized"] = queue.maybe_finalize_async_calls(blocking=False)  # seconds later: nothing
@@ -203,9 +228,10 @@ def test_one_persistent_process_writes_every_save(job: list[dict]) -> None:
     writer takes a liveness token of its own), and each rank has its own worker."""
     writers = []
     for rep in job:
-        tokens = {seen["writer"] for seen in rep["saves"].values()}
+        tokens = {token for token, _ in (seen["writer"] for seen in rep["saves"].values())}
         assert len(tokens) == 1, tokens
         assert rep["trainer"] not in tokens
+        assert all(kind == "persistent" for _, kind in (seen["writer"] for seen in rep["saves"].values()))
         writers += tokens
     assert len(set(writers)) == len(job)
 
@@ -265,38 +291,46 @@ def killed() -> Any:
         m.close()
 
 
+def assert_refused_at_once(killed: dict, name: str, died_writing: str) -> None:
+    """Save ``name`` failed at once (in DCP's CheckpointException, on every rank) with an error that names
+    the dead worker, the checkpoint it was writing (``died_writing``), and the way out."""
+    error = killed[name]
+    assert error.startswith("CheckpointException"), error
+    assert "persistent checkpoint worker of this rank" in error, error
+    assert f"died while writing checkpoint {died_writing!r}" in error and "Restart the job" in error, error
+    assert killed[f"{name}_s"] < STAGE_TIMEOUT_S, killed[f"{name}_s"]
+
+
 def test_a_save_after_the_persistent_worker_died_writing_fails_at_once_saying_so(killed: dict) -> None:
-    """Megatron never runs what it sends to a dead persistent worker. Once the worker that wrote a save
-    dies writing the next one, every later save fails at once (in DCP's CheckpointException, on every rank)
-    with an error that names the dead worker, the checkpoint it was writing, and the way out, instead of
-    being sent to that worker and waited for."""
+    """Megatron never runs what it sends to a dead persistent worker. Once the worker dies writing a save,
+    every later save fails at once, saying so, instead of being sent to that worker and waited for: the
+    worker killed in its second write and the one killed in its first (which had written nothing) alike.
+    The saves of a queue that was closed with ``abort=True`` and let go no longer count: the strategy
+    saves through a new queue."""
     assert killed[WRITTEN] == "scheduled" and killed["written_finalized"] == [0]
     assert killed[KILLED] == "scheduled"
     assert killed["worker_exitcode"] == -9
     for name in (REFUSED, REFUSED_AGAIN):
-        error = killed[name]
-        assert error.startswith("CheckpointException"), error
-        assert "persistent checkpoint worker of this rank" in error, error
-        assert f"died while writing checkpoint {KILLED!r}" in error and "Restart the job" in error, error
-        assert killed[f"{name}_s"] < STAGE_TIMEOUT_S, killed[f"{name}_s"]
+        assert_refused_at_once(killed, name, KILLED)
     assert killed["refused_finalized"] == []
+    assert killed[FIRST_KILLED] == "scheduled"
+    assert_refused_at_once(killed, FIRST_REFUSED, FIRST_KILLED)
 
 
-def test_a_worker_dead_before_it_wrote_anything_fails_the_save_that_waits_for_it(killed: dict) -> None:
-    """The saves of a queue that was closed with ``abort=True`` and let go no longer count: the strategy
-    saves through a new queue. That queue's worker, killed in its first write, cannot be told from a slow
-    one. The save after it stages at once,
-    and the one that must wait for a request the dead worker holds fails after stage_timeout_s with a
-    StagingTimeoutError that names a dead persistent worker as a cause. Nothing is committed but the save
-    the first worker wrote."""
-    assert killed[FIRST_KILLED] == "scheduled" and killed[QUEUED] == "scheduled"
+def test_a_worker_dead_between_saves_fails_the_save_that_waits_for_it(killed: dict) -> None:
+    """A worker killed while it waits for work (after it wrote a save) cannot be told from one that has
+    not started the write it was sent. The save sent to it stages at once,
+    and the one that must wait for it fails after stage_timeout_s with a StagingTimeoutError that names a
+    dead persistent worker as a cause. Nothing is committed but the saves the live workers wrote."""
+    assert killed[IDLE_WRITTEN] == "scheduled" and killed["idle_written_finalized"] == [0]
+    assert killed[QUEUED] == "scheduled"
     assert killed[f"{QUEUED}_s"] < STAGE_TIMEOUT_S, killed[f"{QUEUED}_s"]
     error = killed[WAITING]
     assert error.startswith("StagingTimeoutError") and f"waited {STAGE_TIMEOUT_S}s" in error, error
     assert "persistent worker" in error, error
     assert killed[f"{WAITING}_s"] < 3 * STAGE_TIMEOUT_S, killed[f"{WAITING}_s"]
     assert killed["queued_finalized"] == []
-    assert killed["committed"] == [WRITTEN]
+    assert killed["committed"] == [WRITTEN, IDLE_WRITTEN]
 
 
 def test_a_sharing_strategy_that_cannot_send_the_writer_names_megatrons_way_out(store: MemStore) -> None:
