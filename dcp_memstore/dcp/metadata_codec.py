@@ -9,6 +9,8 @@ checkpoint moves between torch releases as DCP's own pickled metadata does.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -25,6 +27,7 @@ from torch.distributed.checkpoint.metadata import (
 from dcp_memstore.store.manifest import (
     UNREADABLE,
     Manifest,
+    ManifestItem,
     ShardLocation,
     dtype_from_name,
     dtype_name,
@@ -119,6 +122,38 @@ def encode_metadata(md: Metadata) -> dict:
         },
         "version": md.version,
     }
+
+
+def with_stored_dtypes(md: Metadata, items: Iterable[ManifestItem]) -> Metadata:
+    """``md`` with each tensor's dtype as its ``items`` were written (``md`` itself where they agree).
+
+    They differ where DCP's save-plan cache (``DefaultSavePlanner(enable_plan_caching=True)``) handed
+    back an earlier save's metadata: its check of a cached plan compares sizes and chunks, not dtypes, so a
+    tensor whose dtype changed since (a model cast to bf16, say) keeps the old dtype there, while its
+    items hold the new dtype's bytes. Committed as it was, such a checkpoint could not be read.
+    FileSystemWriter's files carry their own dtypes, so stock DCP reads the new one too. A tensor whose
+    chunks were written with different dtypes raises ValueError (DCP's metadata has one dtype a tensor)."""
+    written: dict[str, set[str]] = {}
+    for it in items:
+        if it.location.dtype is not None:
+            written.setdefault(it.fqn, set()).add(it.location.dtype)
+    fixed = {}
+    for fqn, entry in md.state_dict_metadata.items():
+        dtypes = written.get(fqn)
+        if not isinstance(entry, TensorStorageMetadata) or not dtypes:
+            continue
+        if len(dtypes) > 1:
+            raise ValueError(
+                f"the chunks of tensor {fqn!r} were written as {sorted(dtypes)}; give it one dtype on every "
+                "rank"
+            )
+        (dtype,) = dtypes
+        if dtype != dtype_name(entry.properties.dtype):
+            props = dataclasses.replace(entry.properties, dtype=dtype_from_name(dtype))
+            fixed[fqn] = dataclasses.replace(entry, properties=props)
+    if not fixed:
+        return md
+    return dataclasses.replace(md, state_dict_metadata={**md.state_dict_metadata, **fixed})
 
 
 def decode_metadata(r: dict, storage_data: dict[MetadataIndex, Any]) -> Metadata:

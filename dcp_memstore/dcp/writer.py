@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 from torch.multiprocessing import get_sharing_strategy
 
-from dcp_memstore.dcp.metadata_codec import encode_metadata
+from dcp_memstore.dcp.metadata_codec import encode_metadata, with_stored_dtypes
 from dcp_memstore.dcp.rank_write import RankWrite
 from dcp_memstore.dcp.save_order import DCP_ASYNC_SAVE, SaveApi, SaveOrder
 from dcp_memstore.dcp.stager import Stager, current_rank
@@ -450,9 +450,14 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             for rank_results in results
             for wr in rank_results
         ]
-        manifest = Manifest(self.checkpoint_id, len(results), items, encode_metadata(metadata))
         directory = layout.checkpoint_dir(self.checkpoint_id)
-        encoded = manifest.encode()
+        try:
+            dcp_metadata = encode_metadata(with_stored_dtypes(metadata, items))
+            manifest = Manifest(self.checkpoint_id, len(results), items, dcp_metadata)
+            encoded = manifest.encode()
+        except BaseException:
+            self._discard_failed(directory)
+            raise
         with catalog.commit_lock(layout):  # no other save of the job takes the same sequence number
             try:
                 with space_errors(layout.root, len(encoded), "for the manifest"):
@@ -463,8 +468,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                 # other nodes: prepared (invisible) first, committed only after this node commits
                 record = self.store.prepare_everywhere(record, encoded)
             except BaseException:
-                catalog.discard(layout, directory)  # the save failed: its files serve the next one
-                self._release_slot()
+                self._discard_failed(directory)
                 raise
             self.store.prepare_commit(self.checkpoint_id, record.seq)
             catalog.commit(
@@ -488,6 +492,12 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         with _begun_lock:
             for key in [k for k, w in _begun.items() if w is self]:
                 del _begun[key]
+
+    def _discard_failed(self, directory: Path) -> None:
+        """This save failed in its commit: discard its directory (its files serve the next save) and
+        release its slot."""
+        catalog.discard(self.store.layout, directory)
+        self._release_slot()
 
     def _release_slot(self) -> None:
         """This save failed: recycle its staging slot, drop its ticket if it never started, let another save

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import re
@@ -578,6 +579,31 @@ def test_retrying_an_id_whose_save_failed_elsewhere_is_not_refused(quick_store, 
         async_save(quick_store, _state(2), "x").result(timeout=60)
     assert_tree_equal(_state(2), load_fresh(quick_store, _state(2), "x"))
     del ei
+
+
+class _UnstorablePlannerData(DefaultSavePlanner):
+    """A custom planner that puts into the metadata's planner_data a value msgpack cannot hold."""
+
+    def create_global_plan(self, all_plans):
+        plans, md = super().create_global_plan(all_plans)
+        return plans, dataclasses.replace(md, planner_data={"tag": object()})
+
+
+@pytest.mark.parametrize("mode", ["save", "async_save"])
+def test_planner_data_that_cannot_be_stored_fails_the_save_and_leaves_nothing_of_it(quick_store, mode):
+    """The metadata is encoded only at the commit, after the data is written; failing there, the save
+    names the value and leaves no directory behind (before, its shard files stayed until the next
+    commit), and the id can be saved again."""
+    save(quick_store, _state(0), "kept")
+    with pytest.raises(BaseException, match="planner_data.tag holds a object"):  # noqa: B017
+        if mode == "save":
+            save(quick_store, _state(1), "x", planner=_UnstorablePlannerData())
+        else:
+            async_save(quick_store, _state(1), "x", planner=_UnstorablePlannerData()).result(timeout=60)
+    assert sorted(os.listdir(quick_store.layout.checkpoints_dir)) == ["kept"]
+    save(quick_store, _state(2), "x")
+    assert quick_store.list_checkpoints() == ["kept", "x"]
+    assert_tree_equal(_state(2), load_fresh(quick_store, _state(2), "x"))
 
 
 def test_retrying_a_failed_id_with_async_save_while_async_save_has_not_returned(quick_store, monkeypatch):

@@ -31,7 +31,9 @@ from torch.distributed.checkpoint.metadata import (
 from torch.testing._internal.two_tensor import TwoTensor
 
 from dcp_memstore import MemoryStorageReader, MemoryStorageWriter, MemStore
+from dcp_memstore.dcp.metadata_codec import with_stored_dtypes
 from dcp_memstore.store.layout import objects_name
+from dcp_memstore.store.manifest import ManifestItem, ShardLocation
 
 
 def _save(mode, store, sd, cid, **kw):
@@ -170,6 +172,25 @@ def test_the_manifest_stores_every_field_of_dcps_metadata(cls):
     ``nox -s compat``, instead of having the field dropped from every manifest without a word."""
     new = {f.name for f in dataclasses.fields(cls)} - _CODEC_FIELDS[cls]
     assert not new, f"DCP's {cls.__name__} has fields {sorted(new)} that dcp/metadata_codec.py does not store"
+
+
+def test_a_tensor_whose_chunks_were_written_in_two_dtypes_is_not_committed():
+    """DCP's metadata has one dtype a tensor: chunks written with two (ranks that cast differently) are
+    refused at the commit, naming the tensor and the dtypes, instead of committing what no load reads."""
+    chunks = [
+        ChunkStorageMetadata(torch.Size([0]), torch.Size([4])),
+        ChunkStorageMetadata(torch.Size([4]), torch.Size([4])),
+    ]
+    md = Metadata(
+        {"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([8]), chunks)}
+    )
+    items = [
+        ManifestItem("w", (0,), ShardLocation("__0_0.shard", 0, 16, 0, "float32", (4,))),
+        ManifestItem("w", (4,), ShardLocation("__1_0.shard", 0, 32, 0, "float64", (4,))),
+    ]
+    with pytest.raises(ValueError, match=r"tensor 'w' were written as \['float32', 'float64'\]"):
+        with_stored_dtypes(md, items)
+    assert with_stored_dtypes(md, items[:1]) is md  # as the metadata says: left as it is
 
 
 def test_load_into_non_contiguous_destinations(store):
@@ -318,6 +339,29 @@ def test_plan_caching_over_several_saves_keeps_each_checkpoints_values(shm_dir, 
     for cid, exp in expected.items():
         assert_tree_equal(exp, load_fresh(store, exp, cid))
     assert not torch.equal(expected["step-0"]["model"]["0.weight"], expected["step-3"]["model"]["0.weight"])
+
+
+@pytest.mark.parametrize("mode", ["save", "async_save"])
+def test_plan_caching_keeps_a_tensor_whose_dtype_changed_in_its_new_dtype(shm_dir, clean_plan_cache, mode):
+    """DCP's save-plan cache compares sizes, not dtypes, so it hands a save whose tensor was cast (a model
+    moved to bf16, a 0-dim step counter become a float) the previous save's metadata with the old dtype.
+    The checkpoint still loads, bit for bit, in the new dtype, as stock DCP's does; before, it committed
+    (evicting the good one) and then could not be read."""
+    store = MemStore(root=shm_dir, job_id="job", keep_in_memory=1)
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    g = torch.Generator().manual_seed(5)
+    w, other = torch.randn(64, 32, generator=g), torch.randn(100, generator=g)
+    _save(mode, store, {"w": w, "other": other, "step": torch.tensor(1)}, "fp32", planner=planner)
+    cast = {"w": w.to(torch.bfloat16), "other": other, "step": torch.tensor(2.5)}
+    expected = snapshot(cast)
+    _save(mode, store, cast, "bf16", planner=planner)
+    assert store.list_checkpoints() == ["bf16"]
+    loaded = load_fresh(store, expected, "bf16")
+    assert_tree_equal(expected, loaded)
+    assert loaded["w"].dtype == torch.bfloat16 and loaded["step"].dtype == torch.float32
+    reader = MemoryStorageReader(store)
+    reader.reset("bf16")
+    assert reader.read_metadata().state_dict_metadata["w"].properties.dtype == torch.bfloat16
 
 
 def test_one_writer_can_be_reused_for_many_saves(store):
