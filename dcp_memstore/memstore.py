@@ -476,6 +476,18 @@ class MemStore(PersistingStore, ReplicatingStore):
         """Retention after a commit on this node: evict beyond ``keep_in_memory`` (with the replicas and
         fetched files of evicted checkpoints, and those of checkpoints this node no longer has), trim the
         pools of reusable files, wake the replicator."""
+        self.evict_beyond_keep()
+        if self.target is None:
+            catalog.drop_superseded(self.layout, self.keep_in_memory)
+        catalog.drop_stale_copies(self.layout)
+        self._trim_pools()
+        if self._service is not None:
+            self._service.wake()
+
+    def evict_beyond_keep(self) -> list[str]:
+        """Evict the committed checkpoints of this node beyond the newest ``keep_in_memory`` that nothing
+        holds; the ids evicted. Run after each commit, and by a save short of space: a job killed right
+        after a commit, before its eviction, or reopened with a lower ``keep_in_memory``, has more."""
         # an upload hold for a target no running process has open (one left by an earlier run) will
         # never be released (``_binding``); without replication, no replica is sent and no report moves
         # the safe point: the replication holds a multi-node run left (its processes killed while
@@ -487,13 +499,7 @@ class MemStore(PersistingStore, ReplicatingStore):
                 no_reports and hold in _REPLICATION_HOLDS
             )
 
-        catalog.evict(self.layout, self.keep_in_memory, ignored)
-        if self.target is None:
-            catalog.drop_superseded(self.layout, self.keep_in_memory)
-        catalog.drop_stale_copies(self.layout)
-        self._trim_pools()
-        if self._service is not None:
-            self._service.wake()
+        return catalog.evict(self.layout, self.keep_in_memory, ignored)
 
     def _trim_pools(self) -> None:
         """Free the memory of pooled shard files beyond those the next saves reuse (``max_in_flight`` x
@@ -537,15 +543,17 @@ class MemStore(PersistingStore, ReplicatingStore):
 
     def _full_of_owed_to_no_one(self, e: InsufficientSpaceError) -> None:
         """Raise ``e`` again, naming the checkpoints owed to a target no running process has open, if any:
-        the next commit evicts them like any other, but only if a save fits first."""
+        they are evicted like any other, but these are among the newest ``keep_in_memory`` (a save short of
+        space has evicted those beyond)."""
         if unbound := self._owed(binding=False):
             raise InsufficientSpaceError(
                 e.root,
                 e.needed,
                 e.free,
                 f"{len(unbound)} checkpoint(s) owed to persistent storage that no running process of this "
-                f"job has open: {unbound}; evicted like any other after the next commit: free memory with "
-                "store.delete(id), or open a store with their persist_to to upload them",
+                f"job has open: {unbound}; kept as the newest {self.keep_in_memory} (keep_in_memory): free "
+                "memory with store.delete(id), lower keep_in_memory, or open a store with their persist_to "
+                "to upload them",
             ) from None
 
     def _full_of_replication(self, e: InsufficientSpaceError) -> None:

@@ -533,9 +533,12 @@ def check_space_reclaiming(
     store: MemStore, needed: int, rank: int, started: float, exclude: MemoryStorageWriter | None = None
 ) -> None:
     """``store.check_space``; where it fails, first discard what earlier failed saves of this process left
-    (their files go to the pools) and check again. In a job of several ranks a failed save leaves the
-    directory its coordinator began, with the files other ranks wrote into it, and that was cleared only
-    after the next commit: if those files left too little room, no later save could commit. Saves of this
+    (their files go to the pools), evict the checkpoints beyond ``keep_in_memory``, and check again. In a
+    job of several ranks a failed save leaves the directory its coordinator began, with the files other
+    ranks wrote into it, and that was cleared only after the next commit: if those files left too little
+    room, no later save could commit. Checkpoints beyond ``keep_in_memory`` were likewise evicted only
+    after a commit: a job killed between a commit and its eviction, or reopened with a lower
+    ``keep_in_memory`` (as the space error advises), could not save again. Saves of this
     process that began before ``started`` have ended (saves run in order); those of ``exclude`` and of
     other threads still writing are kept. Saves sent to DCP's checkpoint process (PROCESS executor) ran
     there, and that process, a child of this one that lives on, began their directories: those begun before
@@ -545,9 +548,10 @@ def check_space_reclaiming(
     except InsufficientSpaceError:
         layout = store.layout
         children = SaveOrder.of(str(layout.job_dir)).sent_saves_answered()
-        if not catalog.clear_abandoned(
+        cleared = catalog.clear_abandoned(
             layout, before=started, running=running_saves(layout, exclude), children=children
-        ):
+        )
+        if not (store.evict_beyond_keep() or cleared):
             raise
         store.check_space(needed, rank)
 

@@ -293,6 +293,51 @@ def test_retained_checkpoints_that_leave_no_room_give_a_clear_error(tmpfs_store)
     assert_tree_equal(expected, load_fresh(tmpfs_store, expected, "s1"))
 
 
+def test_the_store_reopened_with_a_lower_keep_in_memory_as_the_error_advises_saves_again(tmpfs_store):
+    """Following that advice works: the save reopened with ``keep_in_memory=1`` evicts the older of the
+    two kept checkpoints to make room (before, eviction came only after a commit, which no save reached)."""
+    states = [_state(i, n=768 << 10) for i in range(4)]
+    for i in range(2):
+        save(tmpfs_store, states[i], f"s{i}")
+    with pytest.raises(CheckpointException, match="Lower keep_in_memory"):
+        save(tmpfs_store, states[2], "s2")
+    tmpfs_store.close()
+    with MemStore(root=tmpfs_store.root, job_id="job", keep_in_memory=1, io_threads=2) as store:
+        for i in (2, 3):
+            save(store, states[i], f"s{i}")
+            assert store.list_checkpoints() == [f"s{i}"]
+        assert_tree_equal(snapshot(states[3]), load_fresh(store, states[3], "s3"))
+
+
+_SAVE_THREE = """
+import sys, torch, torch.distributed.checkpoint as dcp
+from dcp_memstore import MemStore, MemoryStorageWriter
+store = MemStore(root=sys.argv[1], job_id="job", keep_in_memory=1, io_threads=2)
+for i in range(3):
+    sd = {"w": torch.full((768 << 10,), float(i)), "step": i}
+    dcp.save(sd, checkpoint_id=f"s{i}", storage_writer=MemoryStorageWriter(store), no_dist=True)
+"""
+
+
+def test_a_job_killed_between_a_commit_and_its_eviction_saves_again_on_a_full_tmpfs(small_tmpfs):
+    """A job with ``keep_in_memory=1`` on a tmpfs that holds two checkpoints (``keep_in_memory`` +
+    ``max_in_flight``, as docs/configuration.md sizes it) is SIGKILLed right after its third commit,
+    before its eviction: two checkpoints are left. The restarted job's save evicts the older one instead
+    of failing for lack of space, for good."""
+    root = small_tmpfs / "store"
+    env = {**os.environ, "DCP_MEMSTORE_CRASH_AT": "after-commit:0:3"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _SAVE_THREE, str(root)], env=env, capture_output=True, timeout=120
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
+    with MemStore(root=root, job_id="job", keep_in_memory=1, io_threads=2) as store:
+        assert store.list_checkpoints() == ["s1", "s2"]
+        state = _state(3, n=768 << 10)
+        save(store, state, "s3")
+        assert store.list_checkpoints() == ["s3"]
+        assert_tree_equal(snapshot(state), load_fresh(store, state, "s3"))
+
+
 def test_space_error_with_plan_caching_is_clear_and_keeps_previous(tmpfs_store, clean_plan_cache):
     """With a cached plan the writer sees no items at planning time; the space error must still come."""
     planner = DefaultSavePlanner(enable_plan_caching=True)

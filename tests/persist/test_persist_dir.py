@@ -435,17 +435,32 @@ def test_a_store_without_persist_to_warns_of_owed_checkpoints_and_evicts_them(sh
     store.close()
 
 
-def test_full_memory_of_owed_checkpoints_without_persist_to_is_a_clear_error(small_tmpfs, tmp_path):
+def test_full_memory_of_owed_checkpoints_without_persist_to_is_a_clear_error_or_evicted(
+    small_tmpfs, tmp_path
+):
+    """Checkpoints that an earlier store owed to a persist_to that no store has open now fill the tmpfs.
+    A store that keeps as many fails a save that does not fit, naming them and the way out; one that keeps
+    fewer evicts those beyond its keep_in_memory (as its next commit would) and saves."""
     blocked = tmp_path / "blocked"
     sd = {"w": torch.randn(512, 1024)}
-    with _tight_store(small_tmpfs, blocked) as store, pytest.raises(BaseException):  # noqa: B017
+    store = _tight_store(small_tmpfs, blocked)
+    with pytest.raises(BaseException):  # noqa: B017
         for i in range(5):
             save(store, sd, f"s{i}")
+    owed = store.list_checkpoints()
+    store.close()
+    assert len(owed) > 1, owed
     with pytest.warns(UserWarning, match="owed to persistent storage"):
-        store = MemStore(root=small_tmpfs, job_id="job", keep_in_memory=1, io_threads=1)
+        store = MemStore(root=small_tmpfs, job_id="job", keep_in_memory=len(owed), io_threads=1)
     with pytest.raises(BaseException) as ei:  # noqa: B017 - DCP wraps it
         save(store, sd, "next")
     assert "InsufficientSpaceError" in repr(ei.value) and "store.delete(id)" in str(ei.value)
+    assert store.list_checkpoints() == owed
+    store.close()
+    with pytest.warns(UserWarning, match="owed to persistent storage"):
+        store = MemStore(root=small_tmpfs, job_id="job", keep_in_memory=1, io_threads=1)
+    save(store, sd, "next")
+    assert store.list_checkpoints() == ["next"]
     store.close()
 
 
