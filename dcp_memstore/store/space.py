@@ -93,11 +93,14 @@ def cgroup_headroom() -> int | None:
 
 def free_bytes(path: Path) -> int:
     """Bytes a new file under ``path`` can still take: the file system's free space, and for a memory
-    file system also no more than the machine's available memory and the cgroup's headroom."""
+    file system also no more than the machine's available memory and the cgroup's headroom. A memory file
+    system without a size (ramfs, whose statvfs reports 0 blocks, all of them free) is bounded by memory
+    alone."""
     st = os.statvfs(path)
     free = st.f_bavail * st.f_frsize
     if is_memory_backed(path):
-        free = min(free, psutil.virtual_memory().available)
+        memory = psutil.virtual_memory().available
+        free = memory if st.f_blocks == 0 else min(free, memory)
         headroom = cgroup_headroom()
         if headroom is not None:
             free = min(free, headroom)

@@ -1,13 +1,20 @@
-"""Admission control on a real small tmpfs: check_space, allocate_file (ENOSPC), is_memory_backed."""
+"""Admission control on a real small tmpfs (and a ramfs): check_space, allocate_file (ENOSPC),
+is_memory_backed."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
-from dcp_memstore import InsufficientSpaceError
+from dcp_memstore import InsufficientSpaceError, MemoryStorageReader, MemoryStorageWriter, MemStore
 from dcp_memstore.store.space import allocate_file, check_space, filesystem_type, free_bytes, is_memory_backed
 
 MiB = 1 << 20
@@ -35,6 +42,39 @@ def test_a_directory_on_disk_is_not_memory_backed(tmp_path):
         pytest.skip(f"{tmp_path} is on {fstype} here; no disk directory to check")
     assert not is_memory_backed(tmp_path)
     assert filesystem_type(tmp_path) == fstype
+
+
+@pytest.fixture
+def ramfs() -> Iterator[Path]:
+    """A ramfs (a memory file system with no size) mounted on a fresh directory; unmounted afterwards."""
+    mnt = Path(tempfile.mkdtemp(prefix="dcpms-ramfs-"))
+    res = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mnt)], capture_output=True, text=True)
+    if res.returncode != 0:
+        mnt.rmdir()
+        pytest.skip(f"cannot mount a ramfs (needs root): {res.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        gc.collect()  # drop mappings only garbage still refers to, so the unmount is not busy
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+        mnt.rmdir()
+
+
+def test_a_store_on_ramfs_saves_and_loads(ramfs):
+    """ramfs reports 0 blocks free (it has no size), so every save failed for lack of space; its room is
+    the memory available, as for tmpfs."""
+    assert is_memory_backed(ramfs) and os.statvfs(ramfs).f_bavail == 0
+    assert free_bytes(ramfs) > 64 * MiB
+    sd = {"w": torch.randn(256, 1024, generator=torch.Generator().manual_seed(3)), "step": 3}
+    with MemStore(root=ramfs / "store", job_id="job") as store:
+        dcp.save(sd, checkpoint_id="a", storage_writer=MemoryStorageWriter(store), no_dist=True)
+        dcp.async_save(
+            sd, checkpoint_id="b", storage_writer=MemoryStorageWriter(store), no_dist=True
+        ).result()
+        for cid in ("a", "b"):
+            out = {"w": torch.zeros(256, 1024), "step": 0}
+            dcp.load(out, checkpoint_id=cid, storage_reader=MemoryStorageReader(store), no_dist=True)
+            assert torch.equal(out["w"], sd["w"]) and out["step"] == 3
 
 
 def test_free_bytes_matches_the_mount(small_tmpfs):
