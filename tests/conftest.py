@@ -72,18 +72,14 @@ def store(shm_dir):
     s.close()
 
 
-@pytest.fixture
-def small_tmpfs():
-    """A real 8 MiB tmpfs mounted on a fresh directory; unmounted and removed afterwards."""
-    mnt = Path(tempfile.mkdtemp(prefix="dcpms-tmpfs-"))
-    res = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={SMALL_TMPFS_BYTES}", "tmpfs", str(mnt)],
-        capture_output=True,
-        text=True,
-    )
+def _mounted(fstype: str, *options: str) -> Iterator[Path]:
+    """A fresh directory with a file system of ``fstype`` mounted on it; emptied, unmounted and removed
+    afterwards. Skips the test where it cannot be mounted (not root)."""
+    mnt = Path(tempfile.mkdtemp(prefix=f"dcpms-{fstype}-"))
+    res = subprocess.run(["mount", "-t", fstype, *options, fstype, str(mnt)], capture_output=True, text=True)
     if res.returncode != 0:
         mnt.rmdir()
-        pytest.skip(f"cannot mount a small tmpfs to exhaust (needs root): {res.stderr.strip()}")
+        pytest.skip(f"cannot mount a {fstype} (needs root): {res.stderr.strip()}")
     try:
         yield mnt
     finally:
@@ -92,6 +88,19 @@ def small_tmpfs():
         if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
             subprocess.run(["umount", "-l", str(mnt)], check=True)  # a mapping still alive in a tensor
         mnt.rmdir()
+
+
+@pytest.fixture
+def small_tmpfs() -> Iterator[Path]:
+    """A real 8 MiB tmpfs mounted on a fresh directory; unmounted and removed afterwards."""
+    yield from _mounted("tmpfs", "-o", f"size={SMALL_TMPFS_BYTES}")
+
+
+@pytest.fixture
+def ramfs() -> Iterator[Path]:
+    """A ramfs (a memory file system without a size) mounted on a fresh directory; unmounted and removed
+    afterwards."""
+    yield from _mounted("ramfs")
 
 
 @pytest.fixture

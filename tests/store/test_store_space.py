@@ -3,12 +3,8 @@ is_memory_backed."""
 
 from __future__ import annotations
 
-import gc
 import os
 import subprocess
-import tempfile
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -42,22 +38,6 @@ def test_a_directory_on_disk_is_not_memory_backed(tmp_path):
         pytest.skip(f"{tmp_path} is on {fstype} here; no disk directory to check")
     assert not is_memory_backed(tmp_path)
     assert filesystem_type(tmp_path) == fstype
-
-
-@pytest.fixture
-def ramfs() -> Iterator[Path]:
-    """A ramfs (a memory file system with no size) mounted on a fresh directory; unmounted afterwards."""
-    mnt = Path(tempfile.mkdtemp(prefix="dcpms-ramfs-"))
-    res = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mnt)], capture_output=True, text=True)
-    if res.returncode != 0:
-        mnt.rmdir()
-        pytest.skip(f"cannot mount a ramfs (needs root): {res.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        gc.collect()  # drop mappings only garbage still refers to, so the unmount is not busy
-        subprocess.run(["umount", "-l", str(mnt)], check=True)
-        mnt.rmdir()
 
 
 def test_a_store_on_ramfs_saves_and_loads(ramfs):
