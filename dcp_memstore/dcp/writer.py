@@ -356,10 +356,12 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         return plans
 
     def _refuse_if_being_saved(self) -> None:
-        """CheckpointExistsError if another save, running now, began this checkpoint id's directory."""
+        """CheckpointExistsError if another save, running now, began this checkpoint id's directory: one
+        that another thread is inside DCP's save for, or one that is finished later (a Megatron save not
+        yet finalized, whose planning ran on the thread that makes this save)."""
         layout, cid = self.store.layout, self.checkpoint_id
         other = _begun.get((str(layout.job_dir), cid))
-        if other is not None and other is not self and other._saving_elsewhere():
+        if other is not None and other is not self and other._running():
             raise CheckpointExistsError(self._being_saved("another save in this process"))
         owner = catalog.saving_process(layout, cid)
         if owner is not None:
@@ -371,6 +373,11 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                 + ". Two runs with the same root and job id share one store: give each run its own job_id "
                 "(MemStore(job_id=...) or DCP_MEMSTORE_JOB_ID)"
             )
+
+    def _running(self) -> bool:
+        """Whether the save this writer began is still running: finished later (``finish_later``), or
+        being saved by another thread."""
+        return self._finishes_later or self._saving_elsewhere()
 
     def _saving_elsewhere(self) -> bool:
         """Whether the save this writer began is still running on another thread: that thread is inside
@@ -526,7 +533,7 @@ def running_saves(layout: StoreLayout, exclude: MemoryStorageWriter | None = Non
     job = str(layout.job_dir)
     with _begun_lock:
         begun = [(cid, w) for (j, cid), w in _begun.items() if j == job and w is not exclude]
-    return {cid for cid, w in begun if w._finishes_later or w._saving_elsewhere()}
+    return {cid for cid, w in begun if w._running()}
 
 
 def check_space_reclaiming(

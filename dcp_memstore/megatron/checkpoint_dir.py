@@ -7,13 +7,16 @@ with ``MemStoreSaveStrategy`` are in the strategy's store instead, under a check
 * **save:** the id is the directory's base name (``/ckpts/run1/iter_0000100`` -> ``iter_0000100``),
   validated like every store id (letters, digits, ``.``, ``_``, ``-``; no path). Just before the commit
   the coordinator writes ``dcp_memstore.json`` into the directory (format, backend, store root, job id,
-  checkpoint id, and the checksum of Megatron's ``common.pt`` as committed with the tensors) and
+  checkpoint id, the save's id in DCP's metadata, and the checksum of Megatron's ``common.pt`` as
+  committed with the tensors) and
   Megatron's ``metadata.json``, so every checkpoint the store commits can be loaded through Megatron,
   also when the job dies before Megatron writes ``metadata.json`` itself.
 * **load:** the id named by ``dcp_memstore.json`` (so a renamed directory still finds its checkpoint), else
   the base name; a pointer naming another job than the load strategy's store is refused, and so is a
-  ``common.pt`` that changed since the commit (Megatron writes it before the strategy runs, so a later
-  save into the same directory replaces it even when the store refuses that save).
+  checkpoint under that id that another save wrote (the directory's was evicted and the id saved again
+  from another directory, or the store is another root's), and a ``common.pt`` that changed since the
+  commit (Megatron writes it before the strategy runs, so a later save into the same directory replaces
+  it even when the store refuses that save).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron.core.dist_checkpointing.core import CheckpointingConfig, CheckpointingException, save_config
+from torch.distributed.checkpoint.metadata import Metadata
 
 from dcp_memstore.memstore import MemStore
 from dcp_memstore.store.checksum import checksum_bytes
@@ -63,17 +67,28 @@ def write_config(checkpoint_dir: str | os.PathLike) -> None:
     save_config(CheckpointingConfig(BACKEND, VERSION), os.fspath(checkpoint_dir))
 
 
-def write_pointer(checkpoint_dir: str | os.PathLike, store: MemStore, checkpoint_id: str) -> None:
-    """Record in ``checkpoint_dir`` where its data is (atomically: a temporary file renamed into place)."""
+def write_pointer(
+    checkpoint_dir: str | os.PathLike, store: MemStore, checkpoint_id: str, metadata: Metadata
+) -> None:
+    """Record in ``checkpoint_dir`` where its data is: the checkpoint that the store commits under
+    ``checkpoint_id`` with DCP's ``metadata`` (atomically: a temporary file renamed into place)."""
     record = {
         "format": POINTER_FORMAT,
         "backend": BACKEND,
         "root": str(store.root),
         "job_id": store.job_id,
         "checkpoint_id": checkpoint_id,
+        "save_id": _save_id(metadata),
         "common_checksum": common_checksum(checkpoint_dir),
     }
     write_atomic(Path(checkpoint_dir) / POINTER, (json.dumps(record, indent=1) + "\n").encode())
+
+
+def common_version(checkpoint_dir: str | os.PathLike) -> tuple[int, ...] | None:
+    """Which ``common.pt`` ``checkpoint_dir`` holds now (see ``_file_version``); None if it has none. A
+    save takes it when it starts, after Megatron wrote the file, and its commit requires the same: a later
+    save into the directory replaces the file before the store can refuse that save."""
+    return _file_version(Path(checkpoint_dir) / COMMON_STATE)
 
 
 def read_pointer(checkpoint_dir: str | os.PathLike) -> dict[str, Any] | None:
@@ -104,6 +119,30 @@ def resolve_checkpoint_id(checkpoint_dir: str | os.PathLike, store: MemStore) ->
             f"use MemStore(root={pointer.get('root')!r}, job_id={pointer.get('job_id')!r})"
         )
     return validate_name(pointer.get("checkpoint_id"))
+
+
+def check_saved_into(checkpoint_dir: str | os.PathLike, metadata: Metadata) -> None:
+    """CheckpointingException unless ``metadata`` (DCP's, of the checkpoint that a load of ``checkpoint_dir``
+    reads) is that of the save that wrote the directory's pointer. The store may hold another save under
+    the id: the directory's checkpoint was evicted (``keep_in_memory``) or deleted and the id saved again
+    from another directory, or the store is another root's, of a job with the same id. Pointers without a
+    save id are not checked."""
+    pointer = read_pointer(checkpoint_dir)
+    expected = None if pointer is None else pointer.get("save_id")
+    if expected is None or _save_id(metadata) == expected:
+        return
+    raise CheckpointingException(
+        f"{checkpoint_dir} was saved as checkpoint {pointer.get('checkpoint_id')!r} of job "
+        f"{pointer.get('job_id')!r} in store root {pointer.get('root')}, but the checkpoint under that id "
+        "here is another save: this directory's was evicted (keep_in_memory) or deleted and the id saved "
+        "again from another directory, or this store is another one. Load another checkpoint "
+        "(store.latest_checkpoint())"
+    )
+
+
+def _save_id(metadata: Metadata) -> str | None:
+    """The id DCP's planning gave a save (``StorageMeta.save_id``, made anew for every save)."""
+    return None if metadata.storage_meta is None else metadata.storage_meta.save_id
 
 
 def common_checksum(checkpoint_dir: str | os.PathLike) -> str | None:

@@ -34,6 +34,7 @@ from dcp_memstore.megatron.checkpoint_dir import (
     BACKEND,
     VERSION,
     CommonStateCheck,
+    check_saved_into,
     read_pointer,
     resolve_checkpoint_id,
 )
@@ -84,7 +85,10 @@ class MemStoreLoadStrategy(TorchDistLoadShardedStrategy):
             shapes_validation_sharded_tensors=checked, allow_shape_mismatch_sharded_tensors=mismatch_ok
         )
         dcp.load(
-            pyt_state_dict, checkpoint_id=cid, storage_reader=MemoryStorageReader(self.store), planner=planner
+            pyt_state_dict,
+            checkpoint_id=cid,
+            storage_reader=_DirectoryReader(self.store, checkpoint_dir),
+            planner=planner,
         )
         loaded = {key: _unwrap_pyt_sharded_tensor(value) for key, value in pyt_state_dict.items()}
         loaded = _replace_sharded_keys_with_state_dict_keys(loaded, flat_mapping, rename_mapping)
@@ -129,7 +133,24 @@ class MemStoreLoadStrategy(TorchDistLoadShardedStrategy):
     def _metadata(self, checkpoint_dir: str | os.PathLike) -> Metadata:
         reader = MemoryStorageReader(self.store)
         reader.reset(resolve_checkpoint_id(checkpoint_dir, self.store))
-        return reader.read_metadata()
+        metadata = reader.read_metadata()
+        check_saved_into(checkpoint_dir, metadata)
+        return metadata
+
+
+class _DirectoryReader(MemoryStorageReader):
+    """The reader of a load of ``checkpoint_dir``: it refuses, on every rank, a checkpoint other than the
+    save that wrote the directory's pointer (``check_saved_into``)."""
+
+    def __init__(self, store: MemStore, checkpoint_dir: str | os.PathLike) -> None:
+        super().__init__(store)
+        self.checkpoint_dir = checkpoint_dir
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        check_saved_into(self.checkpoint_dir, metadata)
 
 
 def _meta_tensor(md: TensorStorageMetadata) -> torch.Tensor:

@@ -62,8 +62,10 @@ from dcp_memstore.dcp.writer import MemoryStorageWriter
 from dcp_memstore.megatron import fork_guard, trainer_watch
 from dcp_memstore.megatron.checkpoint_dir import (
     BACKEND,
+    COMMON_STATE,
     VERSION,
     checkpoint_id_for,
+    common_version,
     write_config,
     write_pointer,
 )
@@ -128,6 +130,7 @@ class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
         """Stage and plan the save of ``sharded_state_dict`` (the trainer's part); return the request whose
         ``async_fn`` writes this rank's part and whose finalize function commits the checkpoint."""
         cid = checkpoint_id_for(checkpoint_dir)
+        common = common_version(checkpoint_dir)  # Megatron (rank 0) has written this save's common.pt
         flat, _, _ = _replace_state_dict_keys_with_sharded_keys(
             sharded_state_dict, keep_only_main_replica=True
         )
@@ -153,7 +156,7 @@ class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
         holder.watch()
         self._unfinalized.append(weakref.ref(holder))
         finalize = functools.partial(
-            self._finalize, writer, metadata, dw, holder, record, checkpoint_dir, cid
+            self._finalize, writer, metadata, dw, holder, record, checkpoint_dir, cid, common
         )
         return AsyncRequest(_write_rank, (writer, plan, data, str(record), os.getpid()), [finalize])
 
@@ -206,10 +209,12 @@ class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
         record: Path,
         checkpoint_dir: str | os.PathLike,
         cid: str,
+        common: tuple[int, ...] | None,
     ) -> None:
         """Every rank: hand this rank's write results to the coordinator, which commits the checkpoint and
         writes the pointer into ``checkpoint_dir``. A failure on any rank raises on every rank,
-        uncommitted."""
+        uncommitted; so does a ``common.pt`` that is not the one this save started with (``common``, as
+        the coordinator saw it)."""
 
         def my_results() -> list[WriteResult]:
             try:
@@ -226,9 +231,16 @@ class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
             return [_decode_result(r) for r in rec["results"]]
 
         def commit(results: list[list[WriteResult]]) -> None:
+            if common_version(checkpoint_dir) != common:
+                raise RuntimeError(
+                    f"{Path(checkpoint_dir) / COMMON_STATE} was replaced after this save of checkpoint "
+                    f"{cid!r} started (a later dist_checkpointing.save into the same directory writes it "
+                    "before the store can refuse that save): this save's common state is gone, so it is not "
+                    "committed. Save again, into a directory no other save is using"
+                )
             # the directory's files first: a checkpoint the store commits is always loadable by Megatron
             write_config(checkpoint_dir)
-            write_pointer(checkpoint_dir, self.store, cid)
+            write_pointer(checkpoint_dir, self.store, cid, metadata)
             writer.finish(metadata, results)
 
         try:
@@ -261,7 +273,7 @@ def _plan(
     state_dict: dict[str, Any], writer: MemoryStorageWriter, planner: MCoreSavePlanner, dw: _DistWrapper
 ) -> tuple[SavePlan, Metadata | None]:
     """DCP's planning of a save (collectives on the default group): this rank's final plan, and on the
-    coordinator the checkpoint's metadata."""
+    coordinator the checkpoint's metadata (with the save's id in its storage_meta)."""
     metadata: Metadata | None = None
 
     def local_step() -> SavePlan:
@@ -274,6 +286,9 @@ def _plan(
     def global_step(plans: list[SavePlan]) -> list[SavePlan]:
         nonlocal metadata
         plans, metadata = planner.create_global_plan(plans)
+        if metadata.storage_meta is None:  # Megatron's planner leaves it out, as DCP's default one does
+            # the save's id, which the pointer in checkpoint_dir names (see checkpoint_dir.check_saved_into)
+            metadata = dataclasses.replace(metadata, storage_meta=writer.storage_meta())
         return writer.prepare_global_plan(plans)
 
     return planner.finish_plan(dw.reduce_scatter("plan", local_step, global_step)), metadata

@@ -1,16 +1,19 @@
-"""A second Megatron save into the directory of a committed checkpoint, on 2 gloo ranks.
+"""A second Megatron save into the directory of a committed checkpoint, or of one not yet finalized, and a
+directory whose checkpoint id was saved again from another directory, on 2 gloo ranks.
 
 Megatron writes ``common.pt`` into ``checkpoint_dir`` before it calls the sharded strategy, so by the time
-``MemStoreSaveStrategy`` refuses the save (the id already exists), the committed checkpoint's common
-state has been replaced by the refused save's. A load of that directory must not hand back the old
-tensors with the new common state. This happens when training resumes from an older checkpoint than the
-newest committed one and reaches the same iteration again.
+``MemStoreSaveStrategy`` refuses the save (the id already exists, or is being saved), the checkpoint's
+common state has been replaced by the refused save's. A load of that directory must not hand back the old
+tensors with the new common state, nor may the unfinalized save commit them. This happens when training
+resumes from an older checkpoint than the newest committed one and reaches the same iteration again, or
+saves an iteration twice (a regular save, then one on exit).
 
 Real Megatron save and load, real store; no CUDA is needed on this synchronous path.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,7 @@ pytest.importorskip(
     reason="megatron-core is not installed (pip install megatron-core==0.16.1)",
 )
 
+import torch  # noqa: E402
 from megatron.core import dist_checkpointing as mdc  # noqa: E402
 from megatron.core.dist_checkpointing.core import CheckpointingException  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
@@ -34,6 +38,8 @@ pytestmark = pytest.mark.slow
 
 WORLD = 2
 RESAVED, KEPT = "iter_0000100", "iter_0000200"  # checkpoint directories' names
+UNFINALIZED, AFTER = "iter_0000300", "iter_0000301"
+REUSED = "iter_0000400"  # saved, deleted, then saved again from another directory
 
 
 def resave_job(rank: int, world: int, root: str, ckpts: str) -> dict[str, Any]:
@@ -67,14 +73,51 @@ def resave_job(rank: int, world: int, root: str, ckpts: str) -> dict[str, Any]:
     except CheckpointingException as e:
         out["loaded"] = f"{type(e).__name__}: {e}"
     out["kept"] = mdc.load(megatron_state.template(rank, world), str(base / KEPT), sharded_strategy=load)
+
+    # a second save of a directory whose save is written but not finalized
+    request = mdc.save(state(4), str(base / UNFINALIZED), sharded_strategy=save, async_sharded_save=True)
+    request.async_fn(*request.async_fn_args)  # the write, as Megatron's async worker runs it
+    out["second_of_unfinalized"] = _error_of(
+        lambda: mdc.save(state(5), str(base / UNFINALIZED), sharded_strategy=save, async_sharded_save=True)
+    )
+    out["unfinalized"] = _error_of(lambda: [fn() for fn in request.finalize_fns])
+    mdc.save(state(6), str(base / AFTER), sharded_strategy=save)
+    out["after"] = mdc.load(megatron_state.template(rank, world), str(base / AFTER), sharded_strategy=load)
+    out["committed"] = store.list_checkpoints()
+
+    # a directory whose checkpoint id was deleted, then saved again from another directory
+    mdc.save(state(7), str(base / "first" / REUSED), sharded_strategy=save)
+    if rank == 0:  # the store is per node: one process of the node deletes
+        store.delete(REUSED)
+    torch.distributed.barrier()
+    mdc.save(state(8), str(base / "second" / REUSED), sharded_strategy=save)
+    out["reused"] = _error_of(
+        lambda: mdc.load(
+            megatron_state.template(rank, world), str(base / "first" / REUSED), sharded_strategy=load
+        )
+    )
+    out["reused_metadata"] = _error_of(lambda: load.load_tensors_metadata(str(base / "first" / REUSED)))
+    out["second"] = mdc.load(
+        megatron_state.template(rank, world), str(base / "second" / REUSED), sharded_strategy=load
+    )
     store.close()
     return out
+
+
+def _error_of(call: Callable[[], Any]) -> str | None:
+    """The error ``call`` raised, as text, or None."""
+    try:
+        call()
+    except (CheckpointException, CheckpointingException) as e:  # DCP's is a BaseException
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 @pytest.fixture(scope="module")
 def job() -> Any:
     """Run the 2-rank job once; its ranks' reports."""
-    yield from megatron_state.run_megatron_job(resave_job, (RESAVED, KEPT))
+    dirs = (RESAVED, KEPT, UNFINALIZED, AFTER, f"first/{REUSED}", f"second/{REUSED}")
+    yield from megatron_state.run_megatron_job(resave_job, dirs)
 
 
 def test_load_refuses_common_state_replaced_by_a_refused_save(job: list[dict]) -> None:
@@ -94,3 +137,29 @@ def test_other_checkpoints_still_load(job: list[dict]) -> None:
     """Checkpoints whose common.pt is the one committed with them load bit for bit."""
     for rank, rep in enumerate(job):
         assert_bit_equal(rep["kept"], megatron_state.expected_loaded(rank, 2), f"rank {rank} kept")
+
+
+def test_a_second_save_of_a_directory_not_yet_finalized_is_refused_and_neither_commits(job: list[dict]):
+    """The second save is refused on every rank (its id is being saved); the first, written, then fails
+    at finalize on every rank, since its common.pt is now the refused save's, and commits nothing (before,
+    the second save discarded the first's files, whose finalize then blamed its async worker). The next
+    save of another directory commits and loads bit for bit."""
+    for rank, rep in enumerate(job):
+        second = rep["second_of_unfinalized"]
+        assert second is not None and f"checkpoint '{UNFINALIZED}' is being saved right now" in second, second
+        first = rep["unfinalized"]
+        assert first is not None and "common.pt was replaced after this save" in first, first
+        assert "async_fn did not run" not in first, first
+        assert UNFINALIZED not in rep["committed"] and AFTER in rep["committed"], rep["committed"]
+        assert_bit_equal(rep["after"], megatron_state.expected_loaded(rank, 6), f"rank {rank} after")
+
+
+def test_a_directory_whose_id_was_saved_again_from_another_directory_is_refused(job: list[dict]) -> None:
+    """Loading a directory whose checkpoint was deleted, its id then saved again from another directory,
+    is refused on every rank, naming why (before, it loaded the other save's tensors with this directory's
+    common state); so is its tensors' metadata. The other directory loads bit for bit."""
+    for rank, rep in enumerate(job):
+        for key in ("reused", "reused_metadata"):
+            error = rep[key]
+            assert error is not None and "the checkpoint under that id here is another save" in error, error
+        assert_bit_equal(rep["second"], megatron_state.expected_loaded(rank, 8), f"rank {rank} second")

@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.metadata import (  # noqa: E402
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
+    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
@@ -459,7 +460,7 @@ def test_pointer_names_the_checkpoint_to_load(tmp_path: Path, store: MemStore) -
     assert resolve_checkpoint_id(tmp_path / "iter_7", store) == "iter_7"
     renamed = tmp_path / "best"
     renamed.mkdir()
-    write_pointer(renamed, store, "iter_7")
+    write_pointer(renamed, store, "iter_7", Metadata({}, storage_meta=StorageMeta(save_id="a-save")))
     assert resolve_checkpoint_id(renamed, store) == "iter_7"
     other = MemStore(root=store.root, job_id="other-job")
     try:
