@@ -69,7 +69,7 @@ def remove_partial(layout: StoreLayout, target: PersistTarget, checkpoint_id: st
         if remote_commit(target, checkpoint_id) is not None:
             return False
         try:
-            target.fs.rm(target.path(checkpoint_id), recursive=True)
+            target.remove_tree(target.path(checkpoint_id))
         except FileNotFoundError:
             return False
         finally:

@@ -22,7 +22,7 @@ from dcp_memstore.persist.publish import remote_commit
 from dcp_memstore.persist.target import COMMITTED, STOCK_METADATA, PersistTarget
 from dcp_memstore.store import catalog
 from dcp_memstore.store.layout import MANIFEST
-from dcp_memstore.store.manifest import Manifest
+from dcp_memstore.store.manifest import Manifest, ManifestItem
 from tests.dcp.dcp_state import assert_tree_equal, blank_like, load, save
 
 REPO = Path(__file__).resolve().parents[2]
@@ -244,14 +244,7 @@ def test_a_corrupt_item_late_in_a_multipart_upload_publishes_nothing_and_aborts_
     server, url = s3_bucket
     with _store(shm_dir, url, server) as store:
         save(store, _state(1, mib=40), "c")
-        local = store.layout.checkpoint_dir("c")
-        item = next(it for it in Manifest.read(local / MANIFEST).items if it.fqn == "w")
-        at = item.location.offset + item.location.length - 100
-        with open(local / item.location.file, "r+b") as f:
-            f.seek(at)
-            byte = f.read(1)
-            f.seek(at)
-            f.write(bytes([byte[0] ^ 0x01]))
+        item = _flip_a_byte_near_the_end_of(store, "c", "w")
         store.persist("c")
         with pytest.raises(PersistError, match=f"{item.location.file}.* w .*checksum"):
             store.wait_persisted("c", timeout=120)
@@ -260,6 +253,20 @@ def test_a_corrupt_item_late_in_a_multipart_upload_publishes_nothing_and_aborts_
     assert "c/" + remote_name(item.location.file) not in keys
     assert f"c/{COMMITTED}" not in keys and f"c/{STOCK_METADATA}" not in keys
     assert server.filesystem().list_multipart_uploads(url.removeprefix("s3://")) == []
+
+
+def _flip_a_byte_near_the_end_of(store: MemStore, cid: str, fqn: str) -> ManifestItem:
+    """Corrupt item ``fqn`` of checkpoint ``cid`` in memory (a bit of its 100th byte from the end); the
+    item."""
+    local = store.layout.checkpoint_dir(cid)
+    item = next(it for it in Manifest.read(local / MANIFEST).items if it.fqn == fqn)
+    at = item.location.offset + item.location.length - 100
+    with open(local / item.location.file, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x01]))
+    return item
 
 
 def test_an_id_published_by_another_save_is_refused_and_left_intact(shm_dir, s3_bucket, fresh_root):
@@ -428,6 +435,32 @@ def test_a_prefix_with_glob_characters_lists_its_checkpoints(shm_dir, s3_bucket,
         store.wait_persisted("c", timeout=120)
     with _store(fresh_root, prefix, server) as fresh:
         assert fresh.latest_checkpoint() == "c"
+        assert_tree_equal(sd, load(fresh, blank_like(sd), "c"))
+
+
+def test_removing_a_failed_upload_under_a_prefix_with_glob_characters_removes_only_its_files(
+    shm_dir, s3_bucket, fresh_root
+):
+    """A checkpoint whose upload under ``run[1]`` failed for good is deleted from memory, so the persister
+    removes what the upload left there. s3fs's ``rm`` takes its path as a pattern, and that removal took
+    the checkpoint another run had published under ``run1`` with it; now only ``run[1]/c`` goes."""
+    server, url = s3_bucket
+    sd = _state(2)
+    with _store(fresh_root, f"{url}/run1", server) as other:
+        save(other, sd, "c")
+        other.persist("c")
+        other.wait_persisted("c", timeout=120)
+    published = _keys(server, url)
+    with _store(shm_dir, f"{url}/run[1]", server) as store:
+        save(store, _state(3), "c")
+        _flip_a_byte_near_the_end_of(store, "c", "w")
+        store.persist("c")
+        with pytest.raises(PersistError):
+            store.wait_persisted("c", timeout=120)
+        assert any(k.startswith("run[1]/c/") for k in _keys(server, url))  # what the failed upload left
+        store.delete("c")
+        _wait_for(lambda: _keys(server, url) == published, 60, "the failed upload's files removed")
+    with _store(shm_dir, f"{url}/run1", server) as fresh:
         assert_tree_equal(sd, load(fresh, blank_like(sd), "c"))
 
 
