@@ -82,7 +82,8 @@ class PersistTarget:
                 f"persist_to={persist_to!r} is no URL with a path (nor a plain directory): "
                 "write it as 's3://bucket/prefix' or give a directory"
             )
-        if "://" not in url:
+        self._directory = "://" not in url  # a plain directory, named as it is
+        if self._directory:
             url = os.path.abspath(os.path.expanduser(url))
         self.url = url.rstrip("/")
         self.storage_options = dict(storage_options or {})
@@ -104,6 +105,8 @@ class PersistTarget:
         return self._resolve()[1]
 
     def _resolve(self) -> tuple[fsspec.AbstractFileSystem, str]:
+        if self._directory:  # not through url_to_fs, which takes "::" in a path for a chain of URLs
+            return fsspec.filesystem("file", **self.storage_options), self.url
         fs, root = url_to_fs(self.url, **self.storage_options)
         return fs, root.rstrip("/")
 

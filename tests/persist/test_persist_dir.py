@@ -661,13 +661,16 @@ def test_a_missing_local_file_is_not_read_from_another_save_persisted_under_its_
             load(store, blank_like(second), "final")
 
 
-@pytest.mark.parametrize(("name", "sibling"), [("run[1]", "run1"), ("lr*2", "lr-x2"), ("what?", "whatX")])
+@pytest.mark.parametrize(
+    ("name", "sibling"), [("run[1]", "run1"), ("lr*2", "lr-x2"), ("what?", "whatX"), ("run::2", "run")]
+)
 def test_a_persist_directory_named_with_glob_characters_lists_its_checkpoints(
     shm_dir, tmp_path, name, sibling
 ):
     """A fresh node finds (and loads) the checkpoints persisted under a directory whose name has
     characters that are special in glob patterns, instead of resuming from nothing, and not those of
-    another run in a directory whose name the pattern would match."""
+    another run in a directory whose name the pattern would match. ``::`` chains URLs in fsspec: the
+    uploads into ``run::2`` went into ``run``."""
     target, sd = tmp_path / name, _state(4)
     with _pstore(shm_dir, target, persist_every=1) as store:
         save(store, sd, "c")
