@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from dcp_memstore.errors import PersistError
 from dcp_memstore.persist import target_users
+from dcp_memstore.persist.bounded_calls import BoundedCalls
 from dcp_memstore.persist.persister import global_rank, node_share
 from dcp_memstore.persist.progress import PRESSING, Progress, is_persist_hold, target_key
 from dcp_memstore.persist.publish import read_parts, remote_commit
@@ -30,6 +31,9 @@ from dcp_memstore.store.layout import MANIFEST
 from dcp_memstore.store.manifest import Manifest
 
 log = logging.getLogger("dcp_memstore.memstore")
+# how long a status, a wait or close waits for the target to say whether a checkpoint is published there
+REMOTE_ANSWER_S = 5.0
+_REMOTE_READS = BoundedCalls()  # those reads, one at a time per target and checkpoint
 
 
 def optional_timeout(name: str, value: object) -> float | None:
@@ -199,9 +203,12 @@ class PersistingStore:
 
     def _published(self, cid: str) -> tuple[bool, Exception | None]:
         """Whether ``cid`` is published in the target (its commit marker is there), and the error reading
-        the marker failed with (the target unreachable), if it did."""
+        the marker failed with (the target unreachable, or no answer within ``REMOTE_ANSWER_S``: a status
+        or a wait with a timeout does not wait out a frozen server's retries), if it did."""
+        target = self.target
         try:
-            return remote_commit(self.target, cid) is not None, None
+            found = _REMOTE_READS.call((target.url, cid), lambda: remote_commit(target, cid), REMOTE_ANSWER_S)
+            return found is not None, None
         except Exception as e:  # noqa: BLE001 - the caller tells what it can without the target
             return False, e
 
