@@ -181,8 +181,8 @@ class CommonStateCheck:
         if common_checksum(checkpoint_dir) != pointer["common_checksum"]:
             raise CheckpointingException(
                 f"{path} changed after checkpoint {pointer.get('checkpoint_id')!r} was committed (a later "
-                "dist_checkpointing.save into this directory wrote it, and the store refused that save's "
-                "tensors): its common state does not belong with the tensors. Load another checkpoint "
+                "dist_checkpointing.save into this directory wrote it: a save the store refused, or one not "
+                "finalized yet): its common state does not belong with the tensors. Load another checkpoint "
                 "(store.latest_checkpoint()), or delete this one with store.delete(id) and save it again"
             )
         self._verified = seen
