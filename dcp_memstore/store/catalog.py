@@ -214,6 +214,14 @@ def same_save(layout: StoreLayout, rec: CommitRecord) -> bool:
     return read_commit(layout, rec.checkpoint_id) == rec
 
 
+def _still_the_save(layout: StoreLayout, rec: CommitRecord) -> bool:
+    """``same_save``, with a commit marker that became corrupt meanwhile taken for another save's."""
+    try:
+        return same_save(layout, rec)
+    except ValueError:
+        return False
+
+
 def require_committed(layout: StoreLayout, checkpoint_id: str) -> Path:
     """The directory of committed checkpoint ``checkpoint_id`` (a valid name); FileNotFoundError naming
     the ones that exist."""
@@ -474,7 +482,10 @@ def evict(
     layout: StoreLayout, keep: int, ignored_hold: Callable[[str], bool] = lambda reason: False
 ) -> list[str]:
     """Evict all but the ``keep`` newest committed checkpoints, except those held (see ``hold``) for a
-    reason that ``ignored_hold`` does not accept (holds that nothing in this process will ever release)."""
+    reason that ``ignored_hold`` does not accept (holds that nothing in this process will ever release).
+    The checkpoints are listed before the retention lock is taken: one that another process evicted or
+    deleted since, its id saved again, is left alone (``same_save``, under the lock, which every eviction
+    and deletion takes)."""
     recs = committed(layout)
     candidates = recs[: max(0, len(recs) - keep)]
     if not candidates:
@@ -482,6 +493,8 @@ def evict(
     victims, trashed = [], []
     with _retention_lock(layout, exclusive=True):
         for r in candidates:
+            if not _still_the_save(layout, r):
+                continue
             if all(ignored_hold(h) for h in holds(layout, r.checkpoint_id)):
                 trash = _to_trash(layout, layout.checkpoint_dir(r.checkpoint_id))
                 if trash is not None:

@@ -179,6 +179,22 @@ def test_list_and_latest_follow_commit_order_not_names(shm_dir):
     assert store.list_checkpoints() == ["step-10", "step-100", "alpha"]
 
 
+def test_an_eviction_working_from_a_stale_listing_keeps_a_newer_save_of_the_id(shm_dir, monkeypatch):
+    """Eviction lists the checkpoints before it takes the retention lock. Another process may evict or
+    delete one of them meanwhile, and the id be saved again: that new save is kept. The interleaving
+    cannot be timed from outside, so eviction is handed the listing from before (fault injection)."""
+    with MemStore(root=shm_dir, job_id="job", keep_in_memory=2) as store:
+        save(store, _state(0), "a")
+        stale = catalog.committed(store.layout)
+        store.delete("a")
+        save(store, _state(1), "a")
+        monkeypatch.setattr(catalog, "committed", lambda layout: stale)
+        assert catalog.evict(store.layout, keep=0) == []
+        monkeypatch.undo()
+        assert store.list_checkpoints() == ["a"]
+        assert_tree_equal(_state(1), load_fresh(store, _state(1), "a"))
+
+
 def test_delete_removes_a_checkpoint_and_others_still_load(store):
     save(store, _state(0), "a")
     save(store, _state(1), "b")
