@@ -22,7 +22,7 @@ from dcp_memstore.persist.progress import Progress, adopt_unnamed_holds, is_pers
 from dcp_memstore.persist.publish import remote_committed
 from dcp_memstore.persist.remote_read import RemoteCheckpoint
 from dcp_memstore.persist.target import PersistTarget
-from dcp_memstore.persisting import PersistingStore, optional_timeout
+from dcp_memstore.persisting import PersistingStore, answer_by, optional_timeout
 from dcp_memstore.replicating import ReplicatingStore
 from dcp_memstore.replication import safe_point
 from dcp_memstore.replication.auth import check_secret
@@ -641,9 +641,10 @@ class MemStore(PersistingStore, ReplicatingStore):
 
     def _drain(self, timeout: float | None) -> None:
         recs = catalog.committed(self.layout)
-        if self.persist_on_close and recs:
-            self.persist(recs[-1].checkpoint_id)
         deadline = None if timeout is None else time.monotonic() + timeout
+        if self.persist_on_close and recs:
+            with answer_by(deadline):  # it looks whether the copy is still there
+                self.persist(recs[-1].checkpoint_id)
         for rec in recs:
             if not Progress(self.layout, rec.checkpoint_id, self.target.url).owed():
                 continue

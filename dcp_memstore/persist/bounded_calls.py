@@ -31,21 +31,34 @@ class BoundedCalls:
         with self._lock:
             future = self._running.get(key)
             if future is None:
-                future = self._running[key] = Future()
+                future = Future()
                 threading.Thread(
                     target=self._run, args=(key, future, fn), name="dcp_memstore-bounded-call", daemon=True
-                ).start()
+                ).start()  # before it is entered: a thread that could not start leaves no call behind
+                self._running[key] = future
         try:
             return future.result(timeout=limit_s)
         except FutureTimeout:
-            raise TimeoutError(f"no answer within {limit_s:g} s") from None
+            raise TimeoutError(f"no answer within {limit_s:.1f} s") from None
+
+    def forget(self) -> None:
+        """Forget the calls running now (in a forked child, whose copy of their threads does not run)."""
+        self._lock = threading.Lock()
+        self._running = {}
 
     def _run(self, key: Hashable, future: Future, fn: Callable[[], T]) -> None:
         try:
-            future.set_result(fn())
+            outcome = fn()
         except BaseException as e:  # noqa: BLE001 - handed to the caller
+            self._end(key, future)
             future.set_exception(e)
-        finally:
-            with self._lock:
-                if self._running.get(key) is future:
-                    del self._running[key]
+        else:
+            self._end(key, future)
+            future.set_result(outcome)
+
+    def _end(self, key: Hashable, future: Future) -> None:
+        """The call of ``future`` has returned: a later call with ``key`` starts anew (one that waits for
+        a hung call sees, once it returns, an outcome as old as that call)."""
+        with self._lock:
+            if self._running.get(key) is future:
+                del self._running[key]

@@ -186,8 +186,9 @@ class PersistTarget:
     def remove_tree(self, path: str) -> None:
         """Remove ``path`` and everything below it; FileNotFoundError if nothing is there. A local directory
         is removed as named. On an object store the keys below ``path`` are listed (a listing by prefix
-        takes no pattern) and deleted one by one: fsspec's ``rm`` there expands ``*``, ``?`` and ``[`` as
-        patterns, which a bucket prefix may contain, so removing ``run[1]/c`` would remove ``run1/c``."""
+        takes no pattern) and deleted each as a pattern of itself alone: fsspec's ``rm`` there expands
+        ``*``, ``?`` and ``[`` as patterns, which a bucket prefix may contain, so removing ``run[1]/c``
+        would remove ``run1/c``."""
         if self.is_local:
             self.fs.rm(path, recursive=True)
             return
@@ -195,8 +196,7 @@ class PersistTarget:
         keys = self.fs.find(path)
         if not keys:
             raise FileNotFoundError(path)
-        for key in keys:
-            self.fs.rm_file(key)
+        self.fs.rm([literal(key) for key in keys])  # each a pattern of itself alone; deleted in batches
 
     def forget_listings(self) -> None:
         """Drop the file system's cached directory listings, so the next listing asks the server."""
