@@ -16,7 +16,8 @@ class InsufficientSpaceError(OSError):
         msg = (
             f"not enough space in {root} for this checkpoint: {needed} bytes needed, {free} bytes free"
             f"{' (' + detail + ')' if detail else ''}. Lower keep_in_memory, give the tmpfs more room "
-            f"(mount -o remount,size=...), or free memory; the previous checkpoints are untouched."
+            "(mount -o remount,size=...), or free memory; the newest keep_in_memory checkpoints are "
+            "untouched."
         )
         super().__init__(28, msg)  # 28 == ENOSPC
 

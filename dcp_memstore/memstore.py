@@ -543,17 +543,17 @@ class MemStore(PersistingStore, ReplicatingStore):
 
     def _full_of_owed_to_no_one(self, e: InsufficientSpaceError) -> None:
         """Raise ``e`` again, naming the checkpoints owed to a target no running process has open, if any:
-        they are evicted like any other, but these are among the newest ``keep_in_memory`` (a save short of
-        space has evicted those beyond)."""
+        they are evicted like any other beyond ``keep_in_memory`` (a save short of space evicts those
+        first), and these are not, or not yet."""
         if unbound := self._owed(binding=False):
             raise InsufficientSpaceError(
                 e.root,
                 e.needed,
                 e.free,
                 f"{len(unbound)} checkpoint(s) owed to persistent storage that no running process of this "
-                f"job has open: {unbound}; kept as the newest {self.keep_in_memory} (keep_in_memory): free "
-                "memory with store.delete(id), lower keep_in_memory, or open a store with their persist_to "
-                "to upload them",
+                f"job has open: {unbound}; evicted like any other beyond keep_in_memory "
+                f"({self.keep_in_memory}): free memory with store.delete(id), lower keep_in_memory, or open "
+                "a store with their persist_to to upload them",
             ) from None
 
     def _full_of_replication(self, e: InsufficientSpaceError) -> None:

@@ -9,6 +9,7 @@ marker, then evicts checkpoints beyond ``keep_in_memory``. A failed step gives i
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import math
 import os
@@ -340,6 +341,10 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             manifest_bytes_estimate(it.index.fqn for p in plans for it in p.items), self.rank
         )
         key = (str(layout.job_dir), cid)
+        if _finished_later_elsewhere(key, self):
+            # a Megatron request let go unfinalized (its queue closed with abort=True) may live on in a
+            # reference cycle until the garbage collector's next pass; it no longer counts once collected
+            gc.collect()
         with _begun_lock:
             directory = layout.checkpoint_dir(cid)
             if directory.exists() and catalog.read_commit(layout, cid) is None:
@@ -525,6 +530,12 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
     @property
     def _order(self) -> SaveOrder:
         return SaveOrder.of(str(self.store.layout.job_dir))
+
+
+def _finished_later_elsewhere(key: tuple[str, str], writer: MemoryStorageWriter) -> bool:
+    """Whether a writer other than ``writer`` began checkpoint ``key`` and finishes it later."""
+    other = _begun.get(key)
+    return other is not None and other is not writer and other._finishes_later
 
 
 def running_saves(layout: StoreLayout, exclude: MemoryStorageWriter | None = None) -> set[str]:

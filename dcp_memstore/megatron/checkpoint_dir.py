@@ -85,10 +85,15 @@ def write_pointer(
 
 
 def common_version(checkpoint_dir: str | os.PathLike) -> tuple[int, ...] | None:
-    """Which ``common.pt`` ``checkpoint_dir`` holds now (see ``_file_version``); None if it has none. A
+    """Which ``common.pt`` ``checkpoint_dir`` holds now: its inode, size and modification time, which a
+    write changes and a chmod or a hard link does not; None if it has none or it cannot be looked at. A
     save takes it when it starts, after Megatron wrote the file, and its commit requires the same: a later
     save into the directory replaces the file before the store can refuse that save."""
-    return _file_version(Path(checkpoint_dir) / COMMON_STATE)
+    try:
+        st = (Path(checkpoint_dir) / COMMON_STATE).stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def read_pointer(checkpoint_dir: str | os.PathLike) -> dict[str, Any] | None:

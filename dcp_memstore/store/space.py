@@ -100,7 +100,7 @@ def free_bytes(path: Path) -> int:
     free = st.f_bavail * st.f_frsize
     if is_memory_backed(path):
         memory = psutil.virtual_memory().available
-        free = memory if st.f_blocks == 0 else min(free, memory)
+        free = memory if filesystem_type(path) == "ramfs" else min(free, memory)
         headroom = cgroup_headroom()
         if headroom is not None:
             free = min(free, headroom)
