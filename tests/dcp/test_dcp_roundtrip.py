@@ -174,7 +174,7 @@ def test_the_manifest_stores_every_field_of_dcps_metadata(cls):
     assert not new, f"DCP's {cls.__name__} has fields {sorted(new)} that dcp/metadata_codec.py does not store"
 
 
-def test_a_tensor_whose_chunks_were_written_in_two_dtypes_is_not_committed():
+def test_the_metadata_of_a_tensor_whose_chunks_were_written_in_two_dtypes_is_refused():
     """DCP's metadata has one dtype a tensor: chunks written with two (ranks that cast differently) are
     refused at the commit, naming the tensor and the dtypes, instead of committing what no load reads."""
     chunks = [
