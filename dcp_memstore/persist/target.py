@@ -13,7 +13,6 @@ import glob
 import logging
 import os
 import re
-import threading
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import fsspec
 from fsspec.core import url_to_fs
 
+from dcp_memstore.persist.bounded_calls import BoundedCalls
 from dcp_memstore.store.records import atomic_file, clear_temporaries
 
 if TYPE_CHECKING:
@@ -207,11 +207,10 @@ class PersistTarget:
         missing bucket, a directory that cannot be made or written, refused or missing credentials) is a
         ValueError when the store opens, not a failed upload hours into the job. A target that fails
         otherwise (server down) or does not answer within ``timeout_s`` is logged only: uploads retry."""
-        outcome: list[BaseException | None] = []
-        probe = threading.Thread(target=lambda: outcome.append(self._probe()), daemon=True)
-        probe.start()
-        probe.join(timeout_s)
-        error = outcome[0] if outcome else TimeoutError(f"no answer within {timeout_s:g} s")
+        try:
+            error = BoundedCalls().call("probe", self._probe, timeout_s)
+        except TimeoutError as e:
+            error = e
         if error is None:
             return
         if is_permanent(error):
