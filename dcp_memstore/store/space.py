@@ -98,9 +98,10 @@ def free_bytes(path: Path) -> int:
     alone."""
     st = os.statvfs(path)
     free = st.f_bavail * st.f_frsize
-    if is_memory_backed(path):
+    fstype = filesystem_type(path)  # one pass over the mount table, for every space check of a save
+    if fstype in MEMORY_FILESYSTEMS:
         memory = psutil.virtual_memory().available
-        free = memory if filesystem_type(path) == "ramfs" else min(free, memory)
+        free = memory if fstype == "ramfs" else min(free, memory)
         headroom = cgroup_headroom()
         if headroom is not None:
             free = min(free, headroom)
