@@ -15,6 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from dcp_memstore.answer_deadline import answer_by
 from dcp_memstore.errors import InsufficientSpaceError, PersistError
 from dcp_memstore.persist import target_users
 from dcp_memstore.persist.persister import Persister
@@ -22,7 +23,7 @@ from dcp_memstore.persist.progress import Progress, adopt_unnamed_holds, is_pers
 from dcp_memstore.persist.publish import remote_committed
 from dcp_memstore.persist.remote_read import RemoteCheckpoint
 from dcp_memstore.persist.target import PersistTarget
-from dcp_memstore.persisting import PersistingStore, answer_by, optional_timeout
+from dcp_memstore.persisting import PersistingStore, optional_timeout
 from dcp_memstore.replicating import ReplicatingStore
 from dcp_memstore.replication import safe_point
 from dcp_memstore.replication.auth import check_secret
@@ -395,7 +396,8 @@ class MemStore(PersistingStore, ReplicatingStore):
                 return CheckpointSource(cid, directory, **tiers, replicas_dir=self.layout.replicas_dir)
         except ValueError as e:
             return self.instead_of_local(cid, e)
-        src = self._other_tier(cid)
+        look = self._cluster_look(cid)
+        src = self._other_tier(cid, look)
         if src is not None:
             return src
         persisted = ""
@@ -408,10 +410,11 @@ class MemStore(PersistingStore, ReplicatingStore):
             if cid in names:  # persisted, but its copy cannot be read: raise why (a corrupt manifest)
                 remote = RemoteCheckpoint(self.target, cid, self.io_threads)
                 return CheckpointSource(cid, None, lambda: remote)  # readable now: it was a passing failure
-        elsewhere = " or in the memory of the job's other nodes" if self._control() else ""
+        elsewhere = " or in the memory of the job's other nodes" if look is not None else ""
         raise FileNotFoundError(
             f"checkpoint {cid!r} not found in store {self.layout.job_dir}{elsewhere}; "
             f"committed checkpoints: {self.list_checkpoints() or 'none'}{persisted}"
+            f"{self._unanswered(look)}"
         )
 
     def instead_of_local(self, checkpoint_id: str, damage: Exception) -> CheckpointSource:
@@ -422,7 +425,7 @@ class MemStore(PersistingStore, ReplicatingStore):
             save = catalog.read_commit(self.layout, checkpoint_id)
         except ValueError:
             save = None  # the commit marker is what is damaged: no record to match a persisted copy with
-        src = self._other_tier(checkpoint_id, save)
+        src = self._other_tier(checkpoint_id, self._cluster_look(checkpoint_id), save)
         if src is None:
             raise damage
         where = (
@@ -441,11 +444,12 @@ class MemStore(PersistingStore, ReplicatingStore):
             "fetch_dir": self.layout.fetched_dir(cid),
         }
 
-    def _other_tier(self, cid: str, save: catalog.CommitRecord | None = None) -> CheckpointSource | None:
-        """``cid`` in the other nodes' memory, else in persistent storage (of save ``save`` only, if
-        given); None if in neither."""
-        cluster = self._cluster_copy(cid)
-        if cluster is not None:
+    def _other_tier(
+        self, cid: str, cluster: ClusterCheckpoint | None, save: catalog.CommitRecord | None = None
+    ) -> CheckpointSource | None:
+        """``cid`` in the other nodes' memory (``cluster``: a look at it, ``_cluster_look``), else in
+        persistent storage (of save ``save`` only, if given); None if in neither."""
+        if cluster is not None and cluster.available:
             return CheckpointSource(cid, None, **{**self._tiers(cid), "_find_cluster": lambda: cluster})
         remote = self._remote(cid, save)
         return CheckpointSource(cid, None, lambda: remote) if remote is not None else None

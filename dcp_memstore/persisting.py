@@ -8,15 +8,14 @@ themselves run in ``persist/persister.py``.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
+from dcp_memstore.answer_deadline import answer_by, answer_limit
 from dcp_memstore.errors import PersistError
 from dcp_memstore.persist import target_users
 from dcp_memstore.persist.bounded_calls import BoundedCalls
@@ -34,26 +33,8 @@ from dcp_memstore.store.layout import MANIFEST
 from dcp_memstore.store.manifest import Manifest
 
 log = logging.getLogger("dcp_memstore.memstore")
-MIN_ANSWER_S = 0.5  # the least time a wait with a deadline gives the target to answer a look
 _REMOTE_READS = BoundedCalls()  # looks at a commit marker under a deadline, one at a time per checkpoint
 os.register_at_fork(after_in_child=_REMOTE_READS.forget)
-# the deadline (time.monotonic()) of the wait or close running in this context, if it has one
-_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
-    "dcp_memstore_deadline", default=None
-)
-
-
-@contextlib.contextmanager
-def answer_by(deadline: float | None) -> Iterator[None]:
-    """Within the block, a look at the target for whether a checkpoint is published gives up at
-    ``deadline`` (``time.monotonic()``; None: no limit), or after ``MIN_ANSWER_S`` once it is past: a
-    target that does not answer (a frozen server) would hold a wait with a timeout for the minutes of
-    s3fs's retries."""
-    token = _DEADLINE.set(deadline)
-    try:
-        yield
-    finally:
-        _DEADLINE.reset(token)
 
 
 def optional_timeout(name: str, value: object) -> float | None:
@@ -225,11 +206,10 @@ class PersistingStore:
         """Whether ``cid`` is published in the target (its commit marker is there), and the error reading
         the marker failed with (the target unreachable, or no answer by the deadline of ``answer_by``),
         if it did."""
-        target, deadline = self.target, _DEADLINE.get()
+        target, limit = self.target, answer_limit()
         try:
-            if deadline is None:
+            if limit is None:
                 return remote_commit(target, cid) is not None, None
-            limit = max(MIN_ANSWER_S, deadline - time.monotonic())
             found = _REMOTE_READS.call((target.url, cid), lambda: remote_commit(target, cid), limit)
             return found is not None, None
         except Exception as e:  # noqa: BLE001 - the caller tells what it can without the target

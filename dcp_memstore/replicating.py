@@ -19,6 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from dcp_memstore.answer_deadline import answer_by, answer_limit
 from dcp_memstore.errors import CommitError
 from dcp_memstore.persist.persister import local_rank_and_size
 from dcp_memstore.persist.progress import Progress
@@ -185,14 +186,31 @@ class ReplicatingStore:
 
     def _cluster_copy(self, cid: str) -> ClusterCheckpoint | None:
         """``cid`` as the other nodes' memory holds it (with their upload states towards this store's
-        ``persist_to``), or None (single node, or committed nowhere)."""
+        ``persist_to``), or None (single node, or committed on no node that answered)."""
+        cluster = self._cluster_look(cid)
+        return cluster if cluster is not None and cluster.available else None
+
+    def _cluster_look(self, cid: str) -> ClusterCheckpoint | None:
+        """What every node's memory holds of ``cid``, committed there or not, and which nodes did not
+        answer (under a wait's deadline, ``answer_by``, each gets until then); None on a single node."""
         control = self._control()
         if control is None:
             return None
-        cluster = ClusterCheckpoint(
-            self.layout, *control, cid, self.target.url if self.target is not None else None
+        url = self.target.url if self.target is not None else None
+        return ClusterCheckpoint(self.layout, *control, cid, url, limit_s=answer_limit())
+
+    @staticmethod
+    def _unanswered(cluster: ClusterCheckpoint | None) -> str:
+        """What to add to an error saying that no node's memory holds a checkpoint, after the look at it
+        ``cluster`` (``_cluster_look``): the nodes that did not answer, which may hold it."""
+        if cluster is None or not cluster.unreachable:
+            return ""
+        peers = cluster.peers
+        nodes = ", ".join(f"node {n} ({format_peer(peers.server(n))})" for n in cluster.unreachable)
+        return (
+            f"; {nodes} did not answer, so whether it holds the checkpoint cannot be told (a node that is "
+            "down, hung or cut off): ask again once it answers"
         )
-        return cluster if cluster.available else None
 
     def replication(self) -> ReplicationService | None:
         """This process's replication service: started on the first call after ``init_process_group`` in
@@ -377,9 +395,8 @@ class ReplicatingStore:
             peers, control = self._control()
             servers = {t: peers.server(t) for t in targets}
         servers_by_name = {node_name(t): addr for t, addr in servers.items()}
-        return confirm(
-            replicas, node_files(self.layout, cid), servers_by_name, node_name(node.node_rank), control, cid
-        )
+        files, me = node_files(self.layout, cid), node_name(node.node_rank)
+        return confirm(replicas, files, servers_by_name, me, control, cid, answer_limit())
 
     def wait_replicated(self, checkpoint_id: str, timeout: float | None = None) -> CheckpointStatus:
         """Block until ``checkpoint_id`` is replicated (see CheckpointStatus): where this node's memory
@@ -398,17 +415,18 @@ class ReplicatingStore:
         while True:
             in_memory = catalog.read_commit(self.layout, cid) is not None
             cluster = functools.cache(functools.partial(self._cluster_copy, cid))
-            st = self._with_replication(CheckpointStatus(cid, in_memory, "off"), cluster)
-            if st.replication in ("off", "replicated"):  # the replica nodes are not asked again
-                return dataclasses.replace(
-                    self._upload_status(cid), replication=st.replication, replicas=st.replicas
-                )
-            if st.replication == NOT_IN_MEMORY:
-                raise FileNotFoundError(
-                    f"checkpoint {cid!r} is in no node's memory (committed here: "
-                    f"{self.list_checkpoints() or 'none'}; persisted: {self.status(cid).persist}), so none "
-                    "of its files is replicated"
-                )
+            with answer_by(deadline):  # a node that does not answer holds a look until then at most
+                st = self._with_replication(CheckpointStatus(cid, in_memory, "off"), cluster)
+                if st.replication in ("off", "replicated"):  # the replica nodes are not asked again
+                    return dataclasses.replace(
+                        self._upload_status(cid), replication=st.replication, replicas=st.replicas
+                    )
+                if st.replication == NOT_IN_MEMORY:
+                    raise FileNotFoundError(
+                        f"checkpoint {cid!r} is in the memory of no node that answered (committed here: "
+                        f"{self.list_checkpoints() or 'none'}; persisted: {self._upload_status(cid).persist}"
+                        f"{self._unanswered(self._cluster_look(cid))}), so none of its files is replicated"
+                    )
             if st.stalled:
                 raise FileNotFoundError(
                     f"checkpoint {st.checkpoint_id!r} is not replicated, and waiting does not make it "

@@ -267,8 +267,14 @@ class RdmaTransport(Transport):
         """Round trip to the peer's server over TCP, in seconds."""
         return self.tcp.ping(peer_addr)
 
-    def stat(self, peer_addr: PeerAddress, checkpoint: str, persist_to: str | None = None) -> dict:
-        return self.tcp.stat(peer_addr, checkpoint, persist_to)
+    def stat(
+        self,
+        peer_addr: PeerAddress,
+        checkpoint: str,
+        persist_to: str | None = None,
+        limit_s: float | None = None,
+    ) -> dict:
+        return self.tcp.stat(peer_addr, checkpoint, persist_to, limit_s)
 
     # --- data ------------------------------------------------------------------------------------------
 

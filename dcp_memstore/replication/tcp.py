@@ -49,21 +49,40 @@ class _Call:
     """One request's connection. ``run`` performs a socket operation and turns its failures into errors
     that name the peer and what was being done."""
 
-    def __init__(self, transport: TcpTransport, peer: PeerAddress, what: str) -> None:
+    def __init__(
+        self, transport: TcpTransport, peer: PeerAddress, what: str, limit_s: float | None = None
+    ) -> None:
         self.transport, self.peer, self.what = transport, (peer[0], int(peer[1])), what
+        self.limit_s = limit_s
+        self.deadline = None if limit_s is None else time.monotonic() + limit_s
         self.sock: socket.socket | None = None
         self.to = ""  # the server's name in requests: its address as this connection reached it
         self.challenge = b""  # the server's challenge on this connection, which every request carries
 
+    def _timeout(self) -> float:
+        """Seconds the next socket operation may take: the transport's timeout, or the time left of the
+        call's own limit if that is less (TimeoutError once none is left)."""
+        if self.deadline is None:
+            return self.transport.timeout_s
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(self._silent())
+        return min(self.transport.timeout_s, left)
+
+    def _silent(self) -> str:
+        if self.deadline is not None and self.limit_s < self.transport.timeout_s:
+            return f"peer {format_peer(self.peer)} did not answer within {self.limit_s:.1f} s ({self.what})"
+        return f"peer {format_peer(self.peer)} was silent for {self.transport.timeout_s} s ({self.what})"
+
     def connect(self) -> None:
         """Connect and exchange hellos: the server's says this connection's challenge."""
         try:
-            self.sock = socket.create_connection(self.peer, timeout=self.transport.timeout_s)
+            self.sock = socket.create_connection(self.peer, timeout=self._timeout())
             self.to = destination(self.sock.getpeername())
         except TimeoutError as e:
             raise TimeoutError(
                 f"peer {format_peer(self.peer)} did not accept a connection within "
-                f"{self.transport.timeout_s} s ({self.what})"
+                f"{self.limit_s if self.deadline is not None else self.transport.timeout_s} s ({self.what})"
             ) from e
         except OSError as e:
             raise ConnectionError(
@@ -82,11 +101,11 @@ class _Call:
 
     def run(self, fn, *args):
         try:
+            if self.deadline is not None:
+                self.sock.settimeout(self._timeout())
             return fn(self.sock, *args)
         except TimeoutError as e:
-            raise TimeoutError(
-                f"peer {format_peer(self.peer)} was silent for {self.transport.timeout_s} s ({self.what})"
-            ) from e
+            raise TimeoutError(self._silent()) from e
         except OSError as e:
             raise ConnectionError(
                 f"lost the connection to peer {format_peer(self.peer)} ({self.what}): {e}"
@@ -150,8 +169,9 @@ class TcpTransport(Transport):
         self._closed = False
 
     @contextlib.contextmanager
-    def _call(self, peer: PeerAddress, what: str) -> Iterator[_Call]:
-        call = _Call(self, peer, what)
+    def _call(self, peer: PeerAddress, what: str, limit_s: float | None = None) -> Iterator[_Call]:
+        """A connected ``_Call`` to ``peer`` (``limit_s``: the most seconds the whole call may take)."""
+        call = _Call(self, peer, what, limit_s)
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"the TCP transport of job {self.job_id!r} is closed")
@@ -252,9 +272,15 @@ class TcpTransport(Transport):
             fields = {"checkpoint": checkpoint, "node": node, "committed_at": float(committed_at)}
             call.request("replicated", fields)
 
-    def stat(self, peer_addr: PeerAddress, checkpoint: str, persist_to: str | None = None) -> dict:
+    def stat(
+        self,
+        peer_addr: PeerAddress,
+        checkpoint: str,
+        persist_to: str | None = None,
+        limit_s: float | None = None,
+    ) -> dict:
         checkpoint = validate_name(checkpoint, "checkpoint id")
-        with self._call(peer_addr, f"asking what it holds of checkpoint {checkpoint}") as call:
+        with self._call(peer_addr, f"asking what it holds of checkpoint {checkpoint}", limit_s) as call:
             _, reply = call.request("stat", {"checkpoint": checkpoint, "persist_to": persist_to})
         return {k: reply[k] for k in ("own", "committed", "replicas", "upload", "replication", "listed")}
 

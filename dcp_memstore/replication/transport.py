@@ -102,11 +102,21 @@ class Transport(ABC):
         ``layout``: the store ``dest_path`` is in (see ``IncomingFile``)."""
 
     @abstractmethod
-    def stat(self, peer_addr: PeerAddress, checkpoint: str, persist_to: str | None = None) -> dict:
+    def stat(
+        self,
+        peer_addr: PeerAddress,
+        checkpoint: str,
+        persist_to: str | None = None,
+        limit_s: float | None = None,
+    ) -> dict:
         """What the peer holds of ``checkpoint``: ``{"own": {file: size}, "committed": bool,
-        "replicas": {source_node: {file: size}}, "upload": {"state": str, "error": str | None} | None}``;
-        ``upload`` is the peer's upload state of its committed copy towards target URL ``persist_to``
-        (None without ``persist_to``, or where it is not committed)."""
+        "replicas": {source_node: {file: size}}, "upload": {"state": str, "error": str | None} | None,
+        "replication": {replica_node: state} | None, "listed": int}``. ``upload`` is the peer's upload
+        state of its committed copy towards target URL ``persist_to`` (None without ``persist_to``);
+        ``replication`` (the state of the peer's own files on its replica nodes) and ``listed`` (the data
+        files its manifest lists) are also a committed copy's only (None and 0 elsewhere). ``limit_s``:
+        the most seconds the whole call may take (a wait's deadline), on top of the transport's own
+        timeout for each wait for the peer."""
 
     @abstractmethod
     def close(self) -> None:

@@ -36,6 +36,11 @@
           given; with ``--persist-to``) and reports how asking ``status`` of step N (not in its memory),
           then ``wait_persisted`` of it, ended and how long each took. With ``--late S``, rank 1
           instead creates its MemStore S seconds late, and rank 0 only asks ``status``, at once.
+    silent-peer: (two nodes, one rank each, ``--persist-to``, ``replication_timeout_s`` left at its 30 s)
+          step 1 is saved and replicated; once the test cut node 1 off (file ``cut``), node 0 reports how
+          ``wait_replicated`` of it with a timeout of 2 s ended and how long it took, then deletes its
+          copy and reports ``wait_persisted`` of it, timeout 2 s, the same way; both ranks end once the
+          test put node 1 back (file ``back``).
 
 Every event is one line ``@@mn {json}`` on stdout (the test reads the node logs).
 """
@@ -381,9 +386,34 @@ def dead_peer(args) -> None:
     store.close()
 
 
+def silent_peer(args) -> None:
+    """See ``silent-peer`` in the module docstring."""
+    store = MemStore(job_id=args.job, persist_to=args.persist_to)
+    rank, cid, tmp = dist.get_rank(), "step-1", Path(args.tmp)
+    dcp.save({f"r{rank}": torch.full((1000,), float(rank))}, checkpoint_id=cid,
+             storage_writer=MemoryStorageWriter(store))  # fmt: skip
+    store.wait_replicated(cid, timeout=60)
+    dist.barrier()
+    if rank == 0:
+        emit(event="ready")
+        wait_for(tmp / "cut", 120)
+        attempts = {"wait_replicated": lambda: store.wait_replicated(cid, timeout=2).replication}
+        attempts["wait_persisted"] = lambda: (store.delete(cid), store.wait_persisted(cid, timeout=2).persist)
+        for name, attempt in attempts.items():
+            start = time.monotonic()
+            try:
+                outcome = f"returned {attempt()}"
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                outcome = f"{type(e).__name__}: {e}"
+            emit(event="silent-peer", attempt=name, outcome=outcome, seconds=time.monotonic() - start)
+        wait_for(tmp / "back", 120)
+    dist.barrier()
+    store.close(timeout=10)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("phase", choices=["save", "load", "close-alone", "dead-peer"])
+    p.add_argument("phase", choices=["save", "load", "close-alone", "dead-peer", "silent-peer"])
     p.add_argument("--job", default="mn")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--first", type=int, default=1, help="the step number of the first save")
@@ -416,8 +446,8 @@ def main() -> None:
         close_alone(args)
         dist.destroy_process_group()
         return
-    if args.phase == "dead-peer":
-        dead_peer(args)
+    if args.phase in ("dead-peer", "silent-peer"):
+        (dead_peer if args.phase == "dead-peer" else silent_peer)(args)
         dist.destroy_process_group()
         return
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))

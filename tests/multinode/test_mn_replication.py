@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from dcp_memstore.answer_deadline import MIN_ANSWER_S
 from tests.netns import Cluster, torchrun_argv
 
 pytestmark = pytest.mark.slow
@@ -401,3 +402,32 @@ def test_a_rank_slow_to_announce_its_server_is_waited_for(cluster2, tmp_path):
     (evs, _) = run_job(cluster2, [0, 1], args, tmp_path)
     (status,) = of(evs, "dead-peer")
     assert status["outcome"] == "returned not requested", status  # node 1's answer: it was waited for
+
+
+def test_waits_with_a_timeout_keep_it_while_a_node_that_holds_the_checkpoint_does_not_answer(
+    cluster2, tmp_path
+):
+    """Step 1 is saved and replicated, then node 1 is cut off (its link down: packets dropped, so its
+    server neither answers nor refuses). On node 0, ``wait_replicated(timeout=2)`` raises TimeoutError
+    naming node 1 unreachable, and once node 0 deleted its copy, ``wait_persisted(timeout=2)`` says that
+    node 1, which may hold it, did not answer. Each within its timeout and a little more: before, each
+    look at node 1 waited ``replication_timeout_s`` (30 s here, ``math.inf`` allowed), and the second
+    said the checkpoint was in no node's memory."""
+    (tmp_path / "persist").mkdir()
+    args = ["silent-peer", "--tmp", tmp_path, "--persist-to", tmp_path / "persist"]
+    procs = launch(cluster2, [0, 1], args, tmp_path)
+    wait_line(tmp_path / "node0.log", '"event": "ready"', TIMEOUT_S)
+    cluster2.node(1).link_down()
+    try:
+        (tmp_path / "cut").write_text("")
+        wait_line(tmp_path / "node0.log", '"attempt": "wait_persisted"', TIMEOUT_S)
+    finally:
+        cluster2.node(1).link_up()
+        (tmp_path / "back").write_text("")
+    replicated, persisted = of(finish(procs, [0, 1], tmp_path)[0], "silent-peer")
+    assert replicated["outcome"].startswith("TimeoutError: checkpoint 'step-1' not replicated after 2.0 s")
+    assert "'node1': 'unreachable'" in replicated["outcome"], replicated
+    assert replicated["seconds"] < 2 + 2, replicated
+    assert persisted["outcome"].startswith("FileNotFoundError: checkpoint 'step-1' not found"), persisted
+    assert "node 1 (" in persisted["outcome"] and "did not answer" in persisted["outcome"], persisted
+    assert persisted["seconds"] < 2 + MIN_ANSWER_S + 2, persisted

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from dcp_memstore import MemStore, PersistError
+from dcp_memstore.answer_deadline import MIN_ANSWER_S
 from dcp_memstore.persist.export import remote_name
 from dcp_memstore.persist.publish import remote_commit
 from dcp_memstore.persist.target import COMMITTED, STOCK_METADATA, PersistTarget
-from dcp_memstore.persisting import MIN_ANSWER_S
 from dcp_memstore.store import catalog
 from dcp_memstore.store.layout import MANIFEST
 from dcp_memstore.store.manifest import Manifest, ManifestItem

@@ -5,6 +5,8 @@ does not answer or has not announced its server."""
 from __future__ import annotations
 
 import shutil
+import socket
+import time
 
 import pytest
 
@@ -70,3 +72,19 @@ def test_only_replicated_entries_are_asked(shm_dir, transport, holder):
     states = {"node1": "replicated", "node2": "pending", "node3": "retrying: ConnectionError: down"}
     with PeerServer(layout(shm_dir, 1), "job", SECRET, "127.0.0.1") as server:
         assert check(shm_dir, transport, {"node1": server.address}, states) == states
+
+
+def test_a_replica_node_silent_past_the_limit_of_a_wait_is_unreachable_at_that_limit(shm_dir, holder):
+    """A node whose server accepts connections but never answers (a hung process: the kernel still
+    completes the handshake) is ``unreachable`` after the ``limit_s`` of the wait that asks, not after
+    the transport's timeout for each wait for a peer (30 s here); the transport's error says so."""
+    with socket.create_server(("127.0.0.1", 0)) as silent, TcpTransport("job", SECRET, timeout_s=30) as slow:
+        addr = silent.getsockname()
+        start = time.monotonic()
+        states = confirm(
+            {"node1": "replicated"}, {"__0_0.shard": 1}, {"node1": addr}, "node0", slow, "s1", 0.5
+        )
+        assert states == {"node1": "unreachable"}
+        assert time.monotonic() - start < 3
+        with pytest.raises(TimeoutError, match=r"did not answer within 0\.5 s \(asking what it holds"):
+            slow.stat(addr, "s1", limit_s=0.5)
