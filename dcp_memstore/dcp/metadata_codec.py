@@ -5,6 +5,12 @@ Covers what DCP's planners put there: tensor and bytes storage metadata, the pla
 names the offending value at save time, never a silent loss. A tensor's strides, which DCP records from
 torch 2.15 on, are kept where DCP gave them and given back where the installed torch has the field, so a
 checkpoint moves between torch releases as DCP's own pickled metadata does.
+
+A tensor's ``pin_memory`` is recorded, and read back (from older manifests too), as False. DCP takes it
+from the tensor it planned from, which for ``async_save`` is the staged copy: a view of a shard file,
+page-locked on a GPU machine and not elsewhere, so the same state dict would record True on one machine
+and False on another. It says nothing of the checkpoint, and True breaks a load that allocates from the
+metadata on a GPU (``load_sharded_optimizer_state_dict``: "Only dense CPU tensors can be pinned").
 """
 
 from __future__ import annotations
@@ -81,7 +87,7 @@ def _encode_storage_md(md: Any) -> dict:
         "dtype": dtype_name(p.dtype),
         "requires_grad": bool(p.requires_grad),
         "memory_format": _MEMORY_FORMAT_NAMES.get(p.memory_format, "contiguous"),
-        "pin_memory": bool(p.pin_memory),
+        "pin_memory": False,  # see the module docstring
         "size": list(md.size),
         "chunks": [[list(c.offsets), list(c.sizes)] for c in md.chunks],
     }
@@ -98,7 +104,7 @@ def _decode_storage_md(r: dict) -> Any:
         dtype=dtype_from_name(r["dtype"]),
         requires_grad=r["requires_grad"],
         memory_format=_MEMORY_FORMATS[r["memory_format"]],
-        pin_memory=r["pin_memory"],
+        pin_memory=False,  # see the module docstring
     )
     if _HAS_STRIDES and r.get("strides") is not None:
         props.strides = tuple(r["strides"])

@@ -155,6 +155,23 @@ def test_a_load_sees_the_dcp_metadata_that_filesystemwriter_records(store, tmp_p
     assert ours.planner_data == stock.planner_data
 
 
+@pytest.mark.parametrize("mode", ["save", "async_save"])
+def test_the_metadata_says_unpinned_whatever_memory_the_save_was_staged_in(store, monkeypatch, mode):
+    """On a GPU machine the staged copies DCP plans an async save from are views of page-locked shard
+    files, so DCP records ``pin_memory=True`` for every tensor; DCP's
+    ``load_sharded_optimizer_state_dict`` then allocates CUDA tensors with ``pin_memory=True``, which
+    torch refuses. The metadata says False instead, on any machine. Here (no CUDA) every tensor is made
+    to report itself pinned, as the registered mappings do there (a stand-in, said so: page-locked memory
+    needs CUDA)."""
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *args: True)
+    sd = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(5, dtype=torch.bfloat16)}
+    _save(mode, store, sd, "p")
+    reader = MemoryStorageReader(store)
+    reader.reset("p")
+    entries = reader.read_metadata().state_dict_metadata
+    assert {k: e.properties.pin_memory for k, e in entries.items()} == {"w": False, "b": False}
+
+
 # The fields of DCP's metadata classes that dcp_memstore/dcp/metadata_codec.py stores (a TensorProperties'
 # layout is not stored: DCP saves strided tensors only, and a decoded one says so).
 _CODEC_FIELDS = {

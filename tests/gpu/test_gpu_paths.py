@@ -56,6 +56,11 @@ def test_async_save_stages_into_pinned_mapping_and_round_trips(store):
     for k in ("w", "h", "i"):
         assert out[k].is_cuda and torch.equal(out[k], sd[k])
     assert out["step"] == 1
+    reader = MemoryStorageReader(store)
+    reader.reset("a")
+    entries = reader.read_metadata().state_dict_metadata
+    # planned from the page-locked staged copies, recorded unpinned: a CUDA allocation from it works
+    assert not any(e.properties.pin_memory for k, e in entries.items() if k in ("w", "h", "i"))
 
 
 def test_staged_copy_is_isolated_from_later_training_updates(store):
