@@ -60,7 +60,10 @@ class DeviceToHost:
             by_device.setdefault(cuda_index(pair[0].device), []).append(pair)
         force_bounce = os.environ.get(ENV_NO_REGISTER) == "1"
         used: list[torch.cuda.Stream] = []
-        keep_alive: list[torch.Tensor] = []  # temporaries the side streams read from, until they are done
+        # The temporaries made here (resolved conj/neg bits, contiguous copies) are made on the side stream
+        # that reads them and let go once their copies are queued: the caching allocator gives a freed
+        # block only to later allocations on the same stream, which run after those copies. Holding them
+        # all to the end would hold their sum of GPU memory at once.
         try:
             for device, group in by_device.items():
                 stream = self._streams.get(device)
@@ -74,20 +77,18 @@ class DeviceToHost:
                         if not force_bounce and mf.pin_for_cuda(device):
                             # conj/neg bits resolved on the GPU: copy_ resolves them on the host tensor
                             # right after it queues the DMA, before the bytes have landed
-                            plain = _plain(src)
-                            keep_alive.append(plain)
-                            dst.copy_(plain, non_blocking=True)
+                            dst.copy_(_plain(src), non_blocking=True)
                         else:
                             bounced.append((src, dst))
                 if bounced:
-                    keep_alive += self._through_bounce_buffers(bounced, stream)
+                    self._through_bounce_buffers(bounced, stream)
         finally:
             for stream in used:
                 stream.synchronize()
 
     def _through_bounce_buffers(
         self, pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: torch.cuda.Stream
-    ) -> list[torch.Tensor]:
+    ) -> None:
         if not self._bounce:
             self._bounce = [
                 torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)
@@ -95,12 +96,10 @@ class DeviceToHost:
         events = [torch.cuda.Event(), torch.cuda.Event()]
         pending: list[tuple[int, torch.Tensor, int] | None] = [None, None]  # (buffer, destination, length)
         k = 0
-        sources = []
         for src, dst in pairs:
-            # A contiguous copy, if one is needed, is made on the stream that reads it.
+            # A contiguous copy, if one is needed, is made on the stream that reads it (see ``copy``).
             with torch.cuda.stream(stream):
                 s = _plain(src).contiguous().reshape(-1).view(torch.uint8)
-            sources.append(s)
             d = dst.reshape(-1).view(torch.uint8)
             for off in range(0, s.numel(), self.chunk_bytes):
                 n = min(self.chunk_bytes, s.numel() - off)
@@ -113,7 +112,6 @@ class DeviceToHost:
                 k += 1
         for b in (k % 2, (k + 1) % 2):
             self._drain(pending, events, b)
-        return sources
 
     def _drain(self, pending: list, events: list[torch.cuda.Event], b: int) -> None:
         if pending[b] is not None:
