@@ -70,7 +70,8 @@ class MappedFile:
     host_registered: bool = False
     pin_refused: bool = False  # the driver refused to page-lock the mapping: not asked again
     cuda_device: int = 0  # the GPU current when the mapping was registered, and when it is unregistered
-    registered_by: int = 0  # the process that registered it
+    released: bool = False  # unpinned for good: the mapping is going away, nothing registers it again
+    mapped_by: int = field(default_factory=os.getpid)  # the process that mapped it (a forked child did not)
     lock: threading.Lock = field(default_factory=threading.Lock)
     address: int = 0  # where the file is mapped; set from the storage at creation
 
@@ -99,15 +100,17 @@ class MappedFile:
         state that its next kernel launch would raise as its own."""
         global _pin_warned
         if self.host_registered or self.pin_refused or not torch.cuda.is_available():
-            return self.host_registered
+            return self.host_registered and self.mapped_by == os.getpid()
+        if self.mapped_by != os.getpid():  # a forked child, which cannot use CUDA
+            return False
         with self.lock:
-            if not (self.host_registered or self.pin_refused):
+            if not (self.host_registered or self.pin_refused or self.released):
                 index = cuda_index(device)
                 err = _cudart_call(
                     index, "cudaHostRegister", self.address, self.size, _CUDA_HOST_REGISTER_PORTABLE
                 )
                 if err == 0:
-                    self.cuda_device, self.registered_by = index, os.getpid()
+                    self.cuda_device = index
                     self.host_registered = True
                 else:
                     self.pin_refused = True
@@ -121,14 +124,20 @@ class MappedFile:
         return self.host_registered
 
     def unpin(self) -> None:
-        """Undo ``pin_for_cuda`` (before the mapping goes away). In a forked child (Megatron's async writer)
-        the registration is the parent's, and the child cannot use CUDA: there it is only forgotten."""
-        if not self.host_registered:
+        """Undo ``pin_for_cuda`` for good, before the mapping goes away: under the mapping's lock, so a
+        ``pin_for_cuda`` running meanwhile either registered it before (and it is unregistered here) or
+        registers nothing. In a forked child (Megatron's async writer) the registration is the parent's,
+        and the child cannot use CUDA: there it is only forgotten (without the lock, which a thread of
+        the parent may have held at the fork)."""
+        if self.mapped_by != os.getpid():
+            self.released, self.host_registered = True, False
             return
-        self.host_registered = False
-        if self.registered_by != os.getpid():
-            return
-        err = _cudart_call(self.cuda_device, "cudaHostUnregister", self.address)
+        with self.lock:
+            self.released = True
+            if not self.host_registered:
+                return
+            self.host_registered = False
+            err = _cudart_call(self.cuda_device, "cudaHostUnregister", self.address)
         if err != 0:
             log.warning("cudaHostUnregister of %s failed (CUDA error %d)", self.path, err)
 

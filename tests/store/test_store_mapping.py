@@ -116,3 +116,34 @@ def test_two_threads_adopting_one_received_storage_leave_no_descriptor(shm_dir, 
     path.unlink()
     MAPPINGS.prune()
     assert _descriptors_of(inode) == [], "a descriptor of the deleted file is still open"
+
+
+def test_a_mapping_dropped_while_it_is_being_registered_is_left_unregistered(shm_dir, monkeypatch):
+    """A mapping whose file is gone is dropped (and unregistered for CUDA) while another thread is still
+    registering it: the drop waits for that registration and undoes it, and nothing registers the
+    mapping again, so no page-locked range outlives its mapping (a later mapping at that address would
+    be refused by the driver for good). The driver is a stand-in here (no GPU; said so): its register
+    call takes 0.3 s, which widens the window a real scheduler hits only now and then."""
+    from dcp_memstore.store import mapping
+
+    calls: list[str] = []
+
+    def cudart(device: int, name: str, *args: int) -> int:
+        if name == "cudaHostRegister":
+            time.sleep(0.3)
+        calls.append(name)
+        return 0
+
+    monkeypatch.setattr(mapping, "_cudart_call", cudart)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    path = shm_dir / "f.shard"
+    path.write_bytes(bytes(4096))
+    mf = MAPPINGS.map_path(path)
+    registering = threading.Thread(target=mf.pin_for_cuda, args=(0,))
+    registering.start()
+    time.sleep(0.1)  # the register call is under way
+    path.unlink()
+    MAPPINGS.prune()  # drops the mapping of the deleted file
+    registering.join()
+    assert calls == ["cudaHostRegister", "cudaHostUnregister"]
+    assert mf.pin_for_cuda(0) is False and calls == ["cudaHostRegister", "cudaHostUnregister"]
