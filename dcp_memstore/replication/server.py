@@ -444,12 +444,16 @@ class PeerServer:
                 f"(PeerServer max_file_bytes)",
             )
         dest = self.layout.replica_dir(source, checkpoint)
+        made = not dest.is_dir()
         try:
             dest.mkdir(parents=True, exist_ok=True)
             incoming = IncomingFile(dest / file, size, self.layout)
-        except InsufficientSpaceError as e:
-            raise _Refusal("no_space", str(e)) from None
-        except OSError as e:
+        except (InsufficientSpaceError, OSError) as e:
+            if made:  # unless another put has a file there meanwhile (then it is not empty)
+                with contextlib.suppress(OSError):
+                    dest.rmdir()
+            if isinstance(e, InsufficientSpaceError):
+                raise _Refusal("no_space", str(e)) from None
             raise _Refusal("io_error", f"cannot create {dest / file}: {e}") from None
         return incoming, f"file {file} of checkpoint {checkpoint} from node {source}"
 
