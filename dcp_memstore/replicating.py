@@ -233,7 +233,7 @@ class ReplicatingStore:
                     secret=self._secret,
                     transport=self.transport,
                     on_commit=self._commit_here,
-                    on_replicated=self._replicated_elsewhere,
+                    on_replicated=functools.partial(self._replicated_elsewhere, nnodes=node.nnodes),
                     replication_state=functools.partial(self._replication_state, node=node),
                     timeout_s=self.stage_timeout_s,
                     io_timeout_s=self.replication_timeout_s,
@@ -339,12 +339,13 @@ class ReplicatingStore:
             self.after_commit()
         return catalog.next_seq(self.layout)
 
-    def _replicated_elsewhere(self, checkpoint_id: str, node: str, committed_at: float) -> None:
+    def _replicated_elsewhere(self, checkpoint_id: str, node: str, committed_at: float, nnodes: int) -> None:
         """The peer server's handler of a report from node ``node``: its files of the save of
         ``checkpoint_id`` committed at ``committed_at`` are replicated. Recorded if this node has that
         save (committed, or prepared and its commit on the way), which may move the safe point
-        (``safe_point``); a report on a save this node no longer has (evicted, deleted, saved again) is
-        dropped: its copy here cannot serve a restore."""
+        (``safe_point``, over the job's ``nnodes`` nodes: given, as the server answers before the service
+        that runs it is this store's); a report on a save this node no longer has (evicted, deleted,
+        saved again) is dropped: its copy here cannot serve a restore."""
         cid = validate_name(checkpoint_id)
         done = catalog.read_commit(self.layout, cid)
         if done is not None:
@@ -352,7 +353,7 @@ class ReplicatingStore:
         else:
             ours = catalog.prepared(self.layout).get(cid, {}).get("committed_at") == committed_at
         if ours and safe_point.Reports(self.layout, cid).record(node, committed_at):
-            safe_point.advance(self.layout, self._service.node.nnodes, self.keep_in_memory)
+            safe_point.advance(self.layout, nnodes, self.keep_in_memory)
 
     def _replication_state(self, checkpoint_id: str, node: NodeInfo | None = None) -> dict[str, str] | None:
         """Per replica node, the replication state of this node's files of ``checkpoint_id``

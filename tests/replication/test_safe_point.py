@@ -86,3 +86,17 @@ def test_memory_full_of_checkpoints_kept_for_replication_is_a_clear_error(small_
         assert "kept in memory for replication" in str(ei.value)
         assert f"{saved[0]!r}: ['replicate']" in str(ei.value)
         assert store.list_checkpoints() == saved and len(saved) >= 2
+
+
+def test_a_report_that_arrives_before_the_service_is_the_stores_is_recorded(shm_dir):
+    """A node's server answers once it has announced itself, which is before the service that runs it is
+    the store's: a peer's ``replicated`` report landing in that gap was refused (the handler asked the
+    store's service, None then, how many nodes the job has), and the peer only retried it later. The
+    handler is called here as the server calls it in that gap (the gap itself cannot be timed from
+    outside)."""
+    with MemStore(root=shm_dir, job_id="job", io_threads=1, keep_in_memory=3) as store:
+        save(store, "s1", 1.0)
+        at = replicated_here(store.layout, "s1")
+        assert store._service is None
+        store._replicated_elsewhere("s1", "node1", at, nnodes=2)
+        assert safe_point.Reports(store.layout, "s1").reporters(at) == {"node0", "node1"}
