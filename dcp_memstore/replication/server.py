@@ -432,7 +432,9 @@ class PeerServer:
 
     def _incoming_replica(self, header: dict) -> tuple[IncomingFile, str]:
         """The checks of a ``put`` (names, size limit, space) and, if they pass, the preallocated temporary
-        file for it, with a description for messages; a refusal (nothing created) otherwise."""
+        file for it, with a description for messages; a refusal otherwise, which creates no file (the
+        checkpoint's replica directory may stay, empty: another put may be about to fill it, and retention
+        drops it with the stale copies)."""
         source = _name(header["source"], "source node")
         checkpoint = _name(header["checkpoint"], "checkpoint id")
         file = _file_name(header["file"])
@@ -444,16 +446,12 @@ class PeerServer:
                 f"(PeerServer max_file_bytes)",
             )
         dest = self.layout.replica_dir(source, checkpoint)
-        made = not dest.is_dir()
         try:
             dest.mkdir(parents=True, exist_ok=True)
             incoming = IncomingFile(dest / file, size, self.layout)
-        except (InsufficientSpaceError, OSError) as e:
-            if made:  # unless another put has a file there meanwhile (then it is not empty)
-                with contextlib.suppress(OSError):
-                    dest.rmdir()
-            if isinstance(e, InsufficientSpaceError):
-                raise _Refusal("no_space", str(e)) from None
+        except InsufficientSpaceError as e:
+            raise _Refusal("no_space", str(e)) from None
+        except OSError as e:
             raise _Refusal("io_error", f"cannot create {dest / file}: {e}") from None
         return incoming, f"file {file} of checkpoint {checkpoint} from node {source}"
 
