@@ -53,7 +53,7 @@ def test_a_job_that_does_not_end_in_time_leaves_every_process_stack_in_its_log(t
         )
     )
     res = RunResult("stuck", log=tmp_path / "stuck.log")
-    torchrun_job(worker, [], 2, res, lambda ev: res.worker_pids.append(ev["pid"]), timeout_s=12)
+    torchrun_job(worker, [], 2, res, lambda ev: res.worker_pids.append(ev["pid"]), timeout_s=15)
     log = res.log.read_text()
     assert res.timed_out and res.returncode != 0, log
     assert len(res.worker_pids) == 2, log

@@ -407,9 +407,9 @@ def test_a_checkpoint_deleted_while_another_process_uploads_it_leaves_nothing_in
     uploader = subprocess.Popen([sys.executable, "-c", code], env=env)
     try:
         _wait_for(lambda: fs.list_multipart_uploads(bucket) != [], 120, "the upload to start")
-        store = _store(shm_dir, url, server)  # opened first: a paused server would hold its open 15 s
         server.pause()
         try:
+            store = _store(shm_dir, url, server)  # its check of the target waits for the server in vain
             store.delete("c")
             time.sleep(1.0)  # the removal must wait for the upload under way
         finally:
