@@ -127,9 +127,11 @@ def test_a_mapping_dropped_while_it_is_being_registered_is_left_unregistered(shm
     from dcp_memstore.store import mapping
 
     calls: list[str] = []
+    under_way = threading.Event()
 
     def cudart(device: int, name: str, *args: int) -> int:
         if name == "cudaHostRegister":
+            under_way.set()
             time.sleep(0.3)
         calls.append(name)
         return 0
@@ -141,7 +143,7 @@ def test_a_mapping_dropped_while_it_is_being_registered_is_left_unregistered(shm
     mf = MAPPINGS.map_path(path)
     registering = threading.Thread(target=mf.pin_for_cuda, args=(0,))
     registering.start()
-    time.sleep(0.1)  # the register call is under way
+    assert under_way.wait(30)
     path.unlink()
     MAPPINGS.prune()  # drops the mapping of the deleted file
     registering.join()
