@@ -71,6 +71,12 @@ class CheckpointInUseError(RuntimeError):
     """A checkpoint cannot be deleted now: a load is reading it."""
 
 
+class NodesUnansweredError(FileNotFoundError):
+    """No node of the job that answered holds the checkpoint in memory, but some did not answer (down, hung
+    or cut off), and one of them may. A FileNotFoundError, like the error where every node answered; a
+    wait with a timeout asks again until it ends, then raises TimeoutError."""
+
+
 class StagingTimeoutError(TimeoutError):
     """A new save waited too long for an earlier one to finish its writes."""
 

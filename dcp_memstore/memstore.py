@@ -15,15 +15,15 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dcp_memstore.answer_deadline import answer_by
-from dcp_memstore.errors import InsufficientSpaceError, PersistError
+from dcp_memstore.answer_deadline import NO_LIMIT_S, answer_by, optional_timeout
+from dcp_memstore.errors import InsufficientSpaceError, NodesUnansweredError, PersistError
 from dcp_memstore.persist import target_users
 from dcp_memstore.persist.persister import Persister
 from dcp_memstore.persist.progress import Progress, adopt_unnamed_holds, is_persist_hold
 from dcp_memstore.persist.publish import remote_committed
 from dcp_memstore.persist.remote_read import RemoteCheckpoint
 from dcp_memstore.persist.target import PersistTarget
-from dcp_memstore.persisting import PersistingStore, optional_timeout
+from dcp_memstore.persisting import PersistingStore
 from dcp_memstore.replicating import ReplicatingStore
 from dcp_memstore.replication import safe_point
 from dcp_memstore.replication.auth import check_secret
@@ -116,10 +116,6 @@ class CheckpointSource:
         return self._find_cluster() if self._find_cluster is not None else None
 
 
-# A timeout option at or above this (math.inf included) means no limit. It is taken as this many seconds
-# (over three years): socket and lock timeouts, and torch.distributed store waits, refuse infinity, and
-# sockets refuse anything from about 9.2e9 s.
-NO_LIMIT_S = 1e8
 MAX_IO_THREADS = 256
 
 
@@ -380,7 +376,8 @@ class MemStore(PersistingStore, ReplicatingStore):
 
     def open_checkpoint(self, checkpoint_id: str) -> CheckpointSource:
         """Where committed checkpoint ``checkpoint_id`` can be read from; FileNotFoundError naming the
-        checkpoints that exist (in memory and persisted) if it is in no tier. A local copy whose commit
+        checkpoints that exist (in memory and persisted) if it is in no tier (NodesUnansweredError, one,
+        where some nodes did not answer and may hold it). A local copy whose commit
         marker is corrupt is passed over for another tier's copy, else its ValueError is raised; so is
         the error that keeps a persisted-only copy from being read (a corrupt manifest)."""
         self.check_open()
@@ -411,10 +408,10 @@ class MemStore(PersistingStore, ReplicatingStore):
                 remote = RemoteCheckpoint(self.target, cid, self.io_threads)
                 return CheckpointSource(cid, None, lambda: remote)  # readable now: it was a passing failure
         elsewhere = " or in the memory of the job's other nodes" if look is not None else ""
-        raise FileNotFoundError(
+        unanswered = self._unanswered(look)
+        raise (NodesUnansweredError if unanswered else FileNotFoundError)(
             f"checkpoint {cid!r} not found in store {self.layout.job_dir}{elsewhere}; "
-            f"committed checkpoints: {self.list_checkpoints() or 'none'}{persisted}"
-            f"{self._unanswered(look)}"
+            f"committed checkpoints: {self.list_checkpoints() or 'none'}{persisted}{unanswered}"
         )
 
     def instead_of_local(self, checkpoint_id: str, damage: Exception) -> CheckpointSource:

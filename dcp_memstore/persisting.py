@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import os
 import time
 from collections.abc import Callable
 
-from dcp_memstore.answer_deadline import answer_by, answer_limit
-from dcp_memstore.errors import PersistError
+from dcp_memstore.answer_deadline import answer_by, answer_limit, optional_timeout
+from dcp_memstore.errors import NodesUnansweredError, PersistError
 from dcp_memstore.persist import target_users
 from dcp_memstore.persist.bounded_calls import BoundedCalls
 from dcp_memstore.persist.persister import global_rank, node_share
@@ -35,17 +34,6 @@ from dcp_memstore.store.manifest import Manifest
 log = logging.getLogger("dcp_memstore.memstore")
 _REMOTE_READS = BoundedCalls()  # looks at a commit marker under a deadline, one at a time per checkpoint
 os.register_at_fork(after_in_child=_REMOTE_READS.forget)
-
-
-def optional_timeout(name: str, value: object) -> float | None:
-    """``value`` as a number of seconds to wait, None for no limit (also for ``math.inf``); a ValueError
-    naming the argument for anything else: a str, a bool, a negative number, NaN (with which a wait would
-    never time out)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ValueError(f"{name} must be None (no limit) or a number of seconds >= 0, got {value!r}")
-    return None if math.isinf(value) else float(value)
 
 
 class PersistingStore:
@@ -218,7 +206,8 @@ class PersistingStore:
     def wait_persisted(self, checkpoint_id: str, timeout: float | None = None) -> CheckpointStatus:
         """Block until ``checkpoint_id`` is persisted. Raises PersistError if its upload failed for good,
         ValueError if nothing will upload it (not requested: call ``persist(id)``), TimeoutError after
-        ``timeout`` seconds (None: no limit). Returns its ``status``."""
+        ``timeout`` seconds (None: no limit), FileNotFoundError if no tier holds it (with a timeout, where
+        some nodes did not answer, they are asked again until it ends). Returns its ``status``."""
         self._wait_uploaded(checkpoint_id, timeout)
         return self.status(checkpoint_id)
 
@@ -230,8 +219,16 @@ class PersistingStore:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self.check_open()
-            with answer_by(deadline):
-                st = self._upload_status(cid)
+            try:
+                with answer_by(deadline):
+                    st = self._upload_status(cid)
+            except NodesUnansweredError as e:  # one of them may hold it: asked again until the deadline
+                if deadline is None:
+                    raise
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"checkpoint {cid!r} not persisted after {timeout} s: {e}") from e
+                time.sleep(0.05)
+                continue
             if st.persisted:
                 return
             if st.persist == "failed":

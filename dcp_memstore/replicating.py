@@ -15,15 +15,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 
-from dcp_memstore.answer_deadline import answer_by, answer_limit
-from dcp_memstore.errors import CommitError
+from dcp_memstore.answer_deadline import answer_by, look_deadline, optional_timeout
+from dcp_memstore.errors import CommitError, NodesUnansweredError
 from dcp_memstore.persist.persister import local_rank_and_size
 from dcp_memstore.persist.progress import Progress
-from dcp_memstore.persisting import optional_timeout
 from dcp_memstore.replication import safe_point
 from dcp_memstore.replication.cluster_read import ClusterCheckpoint
 from dcp_memstore.replication.cluster_status import cluster_replicas
@@ -63,6 +62,17 @@ def _on_other_nodes(
 
     others = peers.other_nodes()
     return run_parallel(request, others, len(others), pool="commit")
+
+
+def _committed(look: Callable[[], ClusterCheckpoint | None]) -> Callable[[], ClusterCheckpoint | None]:
+    """What ``look`` (a cached ``_cluster_look``) gives where the checkpoint is committed on some node that
+    answered, else None: the ``cluster`` argument of the status queries."""
+
+    def committed() -> ClusterCheckpoint | None:
+        cluster = look()
+        return cluster if cluster is not None and cluster.available else None
+
+    return committed
 
 
 class ReplicatingStore:
@@ -197,19 +207,20 @@ class ReplicatingStore:
         if control is None:
             return None
         url = self.target.url if self.target is not None else None
-        return ClusterCheckpoint(self.layout, *control, cid, url, limit_s=answer_limit())
+        return ClusterCheckpoint(self.layout, *control, cid, url, deadline=look_deadline())
 
     @staticmethod
     def _unanswered(cluster: ClusterCheckpoint | None) -> str:
         """What to add to an error saying that no node's memory holds a checkpoint, after the look at it
-        ``cluster`` (``_cluster_look``): the nodes that did not answer, which may hold it."""
+        ``cluster`` (``_cluster_look``): the nodes that did not answer, which may hold it ("" if all did,
+        and then the error is a FileNotFoundError, else a NodesUnansweredError)."""
         if cluster is None or not cluster.unreachable:
             return ""
-        peers = cluster.peers
-        nodes = ", ".join(f"node {n} ({format_peer(peers.server(n))})" for n in cluster.unreachable)
+        peers, one = cluster.peers, len(cluster.unreachable) == 1
+        nodes = ", ".join(f"{n} ({format_peer(peers.server(n))})" for n in cluster.unreachable)
         return (
-            f"; {nodes} did not answer, so whether it holds the checkpoint cannot be told (a node that is "
-            "down, hung or cut off): ask again once it answers"
+            f"; {'node' if one else 'nodes'} {nodes} did not answer (down, hung or cut off), so whether "
+            f"{'it holds' if one else 'they hold'} the checkpoint cannot be told"
         )
 
     def replication(self) -> ReplicationService | None:
@@ -397,13 +408,29 @@ class ReplicatingStore:
             servers = {t: peers.server(t) for t in targets}
         servers_by_name = {node_name(t): addr for t, addr in servers.items()}
         files, me = node_files(self.layout, cid), node_name(node.node_rank)
-        return confirm(replicas, files, servers_by_name, me, control, cid, answer_limit())
+        return confirm(replicas, files, servers_by_name, me, control, cid, look_deadline())
+
+    def _not_in_memory(self, cid: str, cluster: ClusterCheckpoint | None) -> NoReturn:
+        """Raise that no node's memory holds ``cid`` (after the look ``cluster``), so none of its files is
+        replicated: NodesUnansweredError naming the nodes that did not answer, if some did not."""
+        unanswered = self._unanswered(cluster)
+        if unanswered:
+            raise NodesUnansweredError(
+                f"checkpoint {cid!r} is in the memory of no node that answered, so none of its files is "
+                f"known to be replicated{unanswered}"
+            )
+        here = self.list_checkpoints() or "none"
+        raise FileNotFoundError(
+            f"checkpoint {cid!r} is in no node's memory (committed here: {here}; persisted: "
+            f"{self._upload_status(cid).persist}), so none of its files is replicated"
+        )
 
     def wait_replicated(self, checkpoint_id: str, timeout: float | None = None) -> CheckpointStatus:
         """Block until ``checkpoint_id`` is replicated (see CheckpointStatus): where this node's memory
         holds it, until every replica node acknowledged this node's files; where it does not, until every
         file of it is kept by its node and that node's replica nodes. Returns at once when replication is
-        off (one node, or ``replicas=0``). FileNotFoundError if no node's memory holds it, or if some files
+        off (one node, or ``replicas=0``). FileNotFoundError if no node's memory holds it (with a timeout,
+        where some nodes did not answer, they are asked again until it ends), or if some files
         will stay under-replicated whatever the wait (``stalled``: a replica acknowledged and lost since,
         a node's files that only replicas keep); TimeoutError after ``timeout`` seconds (None or
         ``math.inf``: no limit), saying which replicas are missing and why. Polls only the replication
@@ -415,19 +442,24 @@ class ReplicatingStore:
         pause = 0.05
         while True:
             in_memory = catalog.read_commit(self.layout, cid) is not None
-            cluster = functools.cache(functools.partial(self._cluster_copy, cid))
-            with answer_by(deadline):  # a node that does not answer holds a look until then at most
-                st = self._with_replication(CheckpointStatus(cid, in_memory, "off"), cluster)
-                if st.replication in ("off", "replicated"):  # the replica nodes are not asked again
-                    return dataclasses.replace(
-                        self._upload_status(cid), replication=st.replication, replicas=st.replicas
-                    )
-                if st.replication == NOT_IN_MEMORY:
-                    raise FileNotFoundError(
-                        f"checkpoint {cid!r} is in the memory of no node that answered (committed here: "
-                        f"{self.list_checkpoints() or 'none'}; persisted: {self._upload_status(cid).persist}"
-                        f"{self._unanswered(self._cluster_look(cid))}), so none of its files is replicated"
-                    )
+            look = functools.cache(functools.partial(self._cluster_look, cid))
+            try:
+                with answer_by(deadline):  # a node that does not answer holds a look until then at most
+                    st = self._with_replication(CheckpointStatus(cid, in_memory, "off"), _committed(look))
+                    if st.replication in ("off", "replicated"):  # the replica nodes are not asked again
+                        return dataclasses.replace(
+                            self._upload_status(cid), replication=st.replication, replicas=st.replicas
+                        )
+                    if st.replication == NOT_IN_MEMORY:
+                        self._not_in_memory(cid, look())
+            except NodesUnansweredError as e:  # one of them may hold it: asked again until the deadline
+                if deadline is None:
+                    raise
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"checkpoint {cid!r} not replicated after {timeout} s: {e}") from e
+                time.sleep(pause)
+                pause = min(2 * pause, 0.5)
+                continue
             if st.stalled:
                 raise FileNotFoundError(
                     f"checkpoint {st.checkpoint_id!r} is not replicated, and waiting does not make it "

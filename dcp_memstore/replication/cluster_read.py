@@ -27,8 +27,8 @@ class ClusterCheckpoint:
     """Where the files of checkpoint ``checkpoint_id`` are in the job's memory, from asking every node's
     server once (nodes that do not answer are left out, with a warning, and listed in ``unreachable``).
     Files are fetched into this node's store ``layout``. With ``persist_to`` (a target's URL), also each
-    node's upload state of its copy towards that target. ``limit_s``: the most seconds each node's answer
-    may take (a wait's deadline; else the transport's timeout for each wait for a node)."""
+    node's upload state of its copy towards that target. ``deadline``: ``time.monotonic()`` by which every
+    node must have answered (a wait's; None: the transport's timeout for each wait for a node)."""
 
     def __init__(
         self,
@@ -37,10 +37,10 @@ class ClusterCheckpoint:
         transport: TcpTransport,
         checkpoint_id: str,
         persist_to: str | None = None,
-        limit_s: float | None = None,
+        deadline: float | None = None,
     ) -> None:
         self.layout, self.peers, self.transport = layout, peers, transport
-        self.checkpoint_id, self.persist_to, self.limit_s = checkpoint_id, persist_to, limit_s
+        self.checkpoint_id, self.persist_to, self.deadline = checkpoint_id, persist_to, deadline
         # file -> [(node, replica source node name, or None for the node's own copy)], nearest node first
         self.holders: dict[str, list[tuple[int, str | None]]] = {}
         self.committed_on: list[int] = []
@@ -73,7 +73,7 @@ class ClusterCheckpoint:
     def _stat(self, node: int) -> dict | None:
         addr = self.peers.server(node)
         try:
-            return self.transport.stat(addr, self.checkpoint_id, self.persist_to, self.limit_s)
+            return self.transport.stat(addr, self.checkpoint_id, self.persist_to, self.deadline)
         except (ConnectionError, TimeoutError, OSError, RuntimeError) as e:
             log.warning(
                 "cannot ask %s what it holds of checkpoint %r: %s", format_peer(addr), self.checkpoint_id, e

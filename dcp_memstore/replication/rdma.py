@@ -272,9 +272,9 @@ class RdmaTransport(Transport):
         peer_addr: PeerAddress,
         checkpoint: str,
         persist_to: str | None = None,
-        limit_s: float | None = None,
+        deadline: float | None = None,
     ) -> dict:
-        return self.tcp.stat(peer_addr, checkpoint, persist_to, limit_s)
+        return self.tcp.stat(peer_addr, checkpoint, persist_to, deadline)
 
     # --- data ------------------------------------------------------------------------------------------
 

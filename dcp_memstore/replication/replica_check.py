@@ -30,14 +30,14 @@ def confirm(
     source: str,
     transport: TcpTransport,
     checkpoint_id: str,
-    limit_s: float | None = None,
+    deadline: float | None = None,
 ) -> dict[str, str]:
     """``states`` (per replica node of node ``source``, this one, as ``ReplicaRecords.peer_states`` gives
     them) with each ``replicated`` checked against what that node answers it keeps of ``files`` ({file:
     size}, this node's files of checkpoint ``checkpoint_id``), asking it at its server in ``servers`` (by
     node name; one not there has not announced it): ``lost`` or ``unreachable`` where it does not keep them
-    (see the module docstring). ``limit_s``: the most seconds a node's answer may take (a wait's deadline;
-    else the transport's timeout for each wait for it)."""
+    (see the module docstring). ``deadline``: ``time.monotonic()`` by which each must have answered (a
+    wait's; None: the transport's timeout for each wait for it)."""
     asked = [name for name, state in states.items() if state == "replicated"]
 
     def check(name: str) -> str:
@@ -45,7 +45,7 @@ def confirm(
         if addr is None:
             return UNREACHABLE
         try:
-            reply = transport.stat(addr, checkpoint_id, limit_s=limit_s)
+            reply = transport.stat(addr, checkpoint_id, deadline=deadline)
         except (ConnectionError, TimeoutError, OSError, RuntimeError) as e:
             log.warning(
                 "cannot ask %s whether it still keeps the replica of checkpoint %r: %s",

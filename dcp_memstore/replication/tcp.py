@@ -50,18 +50,17 @@ class _Call:
     that name the peer and what was being done."""
 
     def __init__(
-        self, transport: TcpTransport, peer: PeerAddress, what: str, limit_s: float | None = None
+        self, transport: TcpTransport, peer: PeerAddress, what: str, deadline: float | None = None
     ) -> None:
         self.transport, self.peer, self.what = transport, (peer[0], int(peer[1])), what
-        self.limit_s = limit_s
-        self.deadline = None if limit_s is None else time.monotonic() + limit_s
+        self.deadline = deadline  # time.monotonic() by which the whole call must end (a wait's); None: none
         self.sock: socket.socket | None = None
         self.to = ""  # the server's name in requests: its address as this connection reached it
         self.challenge = b""  # the server's challenge on this connection, which every request carries
 
     def _timeout(self) -> float:
-        """Seconds the next socket operation may take: the transport's timeout, or the time left of the
-        call's own limit if that is less (TimeoutError once none is left)."""
+        """Seconds the next socket operation may take: the transport's timeout, or the time left until the
+        call's deadline if that is less (TimeoutError once it is past)."""
         if self.deadline is None:
             return self.transport.timeout_s
         left = self.deadline - time.monotonic()
@@ -69,10 +68,12 @@ class _Call:
             raise TimeoutError(self._silent())
         return min(self.transport.timeout_s, left)
 
-    def _silent(self) -> str:
-        if self.deadline is not None and self.limit_s < self.transport.timeout_s:
-            return f"peer {format_peer(self.peer)} did not answer within {self.limit_s:.1f} s ({self.what})"
-        return f"peer {format_peer(self.peer)} was silent for {self.transport.timeout_s} s ({self.what})"
+    def _silent(self, doing: str = "was silent") -> str:
+        """What to say of a peer whose socket operation timed out: cut by the call's deadline, or silent
+        for the transport's timeout."""
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            return f"peer {format_peer(self.peer)} {doing} until the deadline of the wait ({self.what})"
+        return f"peer {format_peer(self.peer)} {doing} for {self.transport.timeout_s} s ({self.what})"
 
     def connect(self) -> None:
         """Connect and exchange hellos: the server's says this connection's challenge."""
@@ -80,10 +81,7 @@ class _Call:
             self.sock = socket.create_connection(self.peer, timeout=self._timeout())
             self.to = destination(self.sock.getpeername())
         except TimeoutError as e:
-            raise TimeoutError(
-                f"peer {format_peer(self.peer)} did not accept a connection within "
-                f"{self.limit_s if self.deadline is not None else self.transport.timeout_s} s ({self.what})"
-            ) from e
+            raise TimeoutError(self._silent("did not accept a connection")) from e
         except OSError as e:
             raise ConnectionError(
                 f"cannot connect to peer {format_peer(self.peer)} ({self.what}): {e}. Is its replication "
@@ -91,13 +89,21 @@ class _Call:
             ) from e
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.run(wire.send_header, wire.CLIENT_HELLO)
-        hello = self.run(wire.recv_header)
+        hello = self.recv()
         try:
             if hello.get("ok") is False:  # refused in place of a hello (busy)
                 self._refused(wire.validate_reply(hello, "hello"))
             self.challenge = wire.validate_server_hello(hello)
         except wire.ProtocolError as e:
             raise ReplicationError(self.peer, "protocol", f"sent a malformed hello ({self.what}): {e}") from e
+
+    def recv(self) -> dict:
+        """The peer's next header; under the call's deadline all of it must arrive by then (a peer that
+        trickles its bytes does not stretch the call), else within the transport's timeout per receive."""
+        if self.deadline is None:
+            return self.run(wire.recv_header)
+        by = min(self.deadline, time.monotonic() + self.transport.timeout_s)
+        return self.run(wire.recv_header, False, by)
 
     def run(self, fn, *args):
         try:
@@ -126,7 +132,7 @@ class _Call:
         """Receive and check the ``index``-th reply to the ``op`` request with ``nonce`` (``op`` names the
         reply's fields); raise ReplicationError if it is a refusal or is not signed by a peer of this
         job as that reply."""
-        header = self.run(wire.recv_header)
+        header = self.recv()
         try:
             reply = wire.validate_reply(header, op)
         except wire.ProtocolError as e:
@@ -169,9 +175,9 @@ class TcpTransport(Transport):
         self._closed = False
 
     @contextlib.contextmanager
-    def _call(self, peer: PeerAddress, what: str, limit_s: float | None = None) -> Iterator[_Call]:
-        """A connected ``_Call`` to ``peer`` (``limit_s``: the most seconds the whole call may take)."""
-        call = _Call(self, peer, what, limit_s)
+    def _call(self, peer: PeerAddress, what: str, deadline: float | None = None) -> Iterator[_Call]:
+        """A connected ``_Call`` to ``peer`` (``deadline``: ``time.monotonic()`` by which it must end)."""
+        call = _Call(self, peer, what, deadline)
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"the TCP transport of job {self.job_id!r} is closed")
@@ -277,10 +283,10 @@ class TcpTransport(Transport):
         peer_addr: PeerAddress,
         checkpoint: str,
         persist_to: str | None = None,
-        limit_s: float | None = None,
+        deadline: float | None = None,
     ) -> dict:
         checkpoint = validate_name(checkpoint, "checkpoint id")
-        with self._call(peer_addr, f"asking what it holds of checkpoint {checkpoint}", limit_s) as call:
+        with self._call(peer_addr, f"asking what it holds of checkpoint {checkpoint}", deadline) as call:
             _, reply = call.request("stat", {"checkpoint": checkpoint, "persist_to": persist_to})
         return {k: reply[k] for k in ("own", "committed", "replicas", "upload", "replication", "listed")}
 

@@ -107,15 +107,15 @@ class Transport(ABC):
         peer_addr: PeerAddress,
         checkpoint: str,
         persist_to: str | None = None,
-        limit_s: float | None = None,
+        deadline: float | None = None,
     ) -> dict:
         """What the peer holds of ``checkpoint``: ``{"own": {file: size}, "committed": bool,
         "replicas": {source_node: {file: size}}, "upload": {"state": str, "error": str | None} | None,
         "replication": {replica_node: state} | None, "listed": int}``. ``upload`` is the peer's upload
         state of its committed copy towards target URL ``persist_to`` (None without ``persist_to``);
         ``replication`` (the state of the peer's own files on its replica nodes) and ``listed`` (the data
-        files its manifest lists) are also a committed copy's only (None and 0 elsewhere). ``limit_s``:
-        the most seconds the whole call may take (a wait's deadline), on top of the transport's own
+        files its manifest lists) are also a committed copy's only (None and 0 elsewhere). ``deadline``:
+        ``time.monotonic()`` by which the whole call must end (a wait's), on top of the transport's own
         timeout for each wait for the peer."""
 
     @abstractmethod

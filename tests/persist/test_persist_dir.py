@@ -526,6 +526,18 @@ def test_a_bad_timeout_is_refused_naming_it_before_anything_is_stopped(shm_dir, 
         assert again.status("a").persisted
 
 
+def test_a_timeout_of_years_waits_as_one_without_a_limit(shm_dir, bucket_dir):
+    """A timeout too long for a thread wait (1e10 s, past ``threading.TIMEOUT_MAX``) is no limit: the
+    waits read a published copy as persisted. (Before, the look at its commit marker raised OverflowError,
+    so wait_replicated said ``retrying`` and wait_persisted and close never returned.)"""
+    with _pstore(shm_dir, bucket_dir, persist_on_close=False) as store:
+        save(store, _state(), "a")
+        store.persist("a")
+        assert store.wait_persisted("a", timeout=1e10).persisted
+        assert store.wait_replicated("a", timeout=1e10).persist == "persisted"
+        store.close(timeout=1e10)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error"),
     [
