@@ -54,6 +54,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -352,6 +353,22 @@ def close_alone(args) -> None:
     dist.barrier()
 
 
+def report_attempts(
+    event: str, attempts: dict[str, Callable[[], object]], since: float | None = None
+) -> None:
+    """Run each attempt in turn and emit ``event`` with how it ended (what it returned, or the error it
+    raised) and the seconds it took; given ``since`` (``time.monotonic()``), also the seconds since then."""
+    for name, attempt in attempts.items():
+        start = time.monotonic()
+        try:
+            outcome = f"returned {attempt()}"
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            outcome = f"{type(e).__name__}: {e}"
+        now = time.monotonic()
+        extra = {} if since is None else {"since_open": now - since}
+        emit(event=event, attempt=name, outcome=outcome, seconds=now - start, **extra)
+
+
 def dead_peer(args) -> None:
     """See ``dead-peer`` in the module docstring."""
     if dist.get_rank() != 0:
@@ -372,14 +389,7 @@ def dead_peer(args) -> None:
     attempts = {"status": lambda: store.status(cid).persist}
     if args.late is None:
         attempts["wait_persisted"] = lambda: store.wait_persisted(cid, timeout=60).persist
-    for name, attempt in attempts.items():
-        start = time.monotonic()
-        try:
-            outcome = f"returned {attempt()}"
-        except Exception as e:  # noqa: BLE001 - reported to the test
-            outcome = f"{type(e).__name__}: {e}"
-        now = time.monotonic()
-        emit(event="dead-peer", attempt=name, outcome=outcome, seconds=now - start, since_open=now - opened)
+    report_attempts("dead-peer", attempts, since=opened)
     if args.late is None:
         os._exit(0)  # the process group's other rank is dead: no barrier, no destroy, no close
     dist.barrier()
@@ -399,13 +409,7 @@ def silent_peer(args) -> None:
         wait_for(tmp / "cut", 120)
         attempts = {"wait_replicated": lambda: store.wait_replicated(cid, timeout=2).replication}
         attempts["wait_persisted"] = lambda: (store.delete(cid), store.wait_persisted(cid, timeout=2).persist)
-        for name, attempt in attempts.items():
-            start = time.monotonic()
-            try:
-                outcome = f"returned {attempt()}"
-            except Exception as e:  # noqa: BLE001 - reported to the test
-                outcome = f"{type(e).__name__}: {e}"
-            emit(event="silent-peer", attempt=name, outcome=outcome, seconds=time.monotonic() - start)
+        report_attempts("silent-peer", attempts)
         wait_for(tmp / "back", 120)
     dist.barrier()
     store.close(timeout=10)
