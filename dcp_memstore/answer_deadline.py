@@ -22,6 +22,7 @@ from collections.abc import Iterator
 # sockets and thread waits refuse anything from about 9.2e9 s.
 NO_LIMIT_S = 1e8
 MIN_ANSWER_S = 0.5  # the least time a look gets, also once the deadline is past (its answer is wanted)
+MAX_POLL_S = 0.5  # the longest pause between two polls of a wait that asks other machines
 _DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "dcp_memstore_deadline", default=None
 )
@@ -60,3 +61,11 @@ def answer_limit() -> float | None:
     """Seconds a look started now may take under the deadline of ``answer_by``; None outside one."""
     deadline = look_deadline()
     return None if deadline is None else deadline - time.monotonic()
+
+
+def poll_pause(pause: float, deadline: float | None) -> float:
+    """Sleep ``pause`` seconds, less where ``deadline`` (``time.monotonic()``) comes first; the pause for
+    the next poll: doubled, up to ``MAX_POLL_S`` (a wait that asks other machines asks them less often
+    the longer it waits)."""
+    time.sleep(pause if deadline is None else max(0.0, min(pause, deadline - time.monotonic())))
+    return min(2 * pause, MAX_POLL_S)

@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Callable
 
-from dcp_memstore.answer_deadline import answer_by, answer_limit, optional_timeout
+from dcp_memstore.answer_deadline import answer_by, answer_limit, optional_timeout, poll_pause
 from dcp_memstore.errors import NodesUnansweredError, PersistError
 from dcp_memstore.persist import target_users
 from dcp_memstore.persist.bounded_calls import BoundedCalls
@@ -206,10 +206,14 @@ class PersistingStore:
     def wait_persisted(self, checkpoint_id: str, timeout: float | None = None) -> CheckpointStatus:
         """Block until ``checkpoint_id`` is persisted. Raises PersistError if its upload failed for good,
         ValueError if nothing will upload it (not requested: call ``persist(id)``), TimeoutError after
-        ``timeout`` seconds (None: no limit), FileNotFoundError if no tier holds it (with a timeout, where
-        some nodes did not answer, they are asked again until it ends). Returns its ``status``."""
+        ``timeout`` seconds (None: no limit), FileNotFoundError if no tier holds it (where some nodes did
+        not answer, they are asked again until they do or the timeout ends). Returns its
+        ``status`` (whose looks at other nodes end by the same deadline)."""
+        start = time.monotonic()
+        timeout = optional_timeout("timeout", timeout)
         self._wait_uploaded(checkpoint_id, timeout)
-        return self.status(checkpoint_id)
+        with answer_by(None if timeout is None else start + timeout):
+            return self.status(checkpoint_id)
 
     def _wait_uploaded(self, checkpoint_id: str, timeout: float | None) -> None:
         """``wait_persisted`` without the status it returns: polls the upload state alone (no replica
@@ -217,17 +221,16 @@ class PersistingStore:
         timeout = optional_timeout("timeout", timeout)
         cid = validate_name(checkpoint_id)
         deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 0.05
         while True:
             self.check_open()
             try:
                 with answer_by(deadline):
                     st = self._upload_status(cid)
-            except NodesUnansweredError as e:  # one of them may hold it: asked again until the deadline
-                if deadline is None:
-                    raise
-                if time.monotonic() >= deadline:
+            except NodesUnansweredError as e:  # one of them may hold it: asked again until it answers
+                if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"checkpoint {cid!r} not persisted after {timeout} s: {e}") from e
-                time.sleep(0.05)
+                pause = poll_pause(pause, deadline)
                 continue
             if st.persisted:
                 return
@@ -246,7 +249,10 @@ class PersistingStore:
                     f"checkpoint {st.checkpoint_id!r} not persisted after {timeout} s: {st.persist}"
                     f"{' (' + st.error + ')' if st.error else ''}"
                 )
-            time.sleep(0.05)
+            if st.in_memory:  # the state is this node's records: polled often
+                time.sleep(0.05)
+            else:  # the other nodes are asked: less often the longer it waits
+                pause = poll_pause(pause, deadline)
 
     def _report_unheld(self, cid: str, missing: list[str]) -> None:
         """Owed checkpoint ``cid`` is committed here, but ``missing`` (files of other nodes) are held by no

@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 import torch.distributed as dist
 
-from dcp_memstore.answer_deadline import answer_by, look_deadline, optional_timeout
+from dcp_memstore.answer_deadline import answer_by, look_deadline, optional_timeout, poll_pause
 from dcp_memstore.errors import CommitError, NodesUnansweredError
 from dcp_memstore.persist.persister import local_rank_and_size
 from dcp_memstore.persist.progress import Progress
@@ -429,8 +429,8 @@ class ReplicatingStore:
         """Block until ``checkpoint_id`` is replicated (see CheckpointStatus): where this node's memory
         holds it, until every replica node acknowledged this node's files; where it does not, until every
         file of it is kept by its node and that node's replica nodes. Returns at once when replication is
-        off (one node, or ``replicas=0``). FileNotFoundError if no node's memory holds it (with a timeout,
-        where some nodes did not answer, they are asked again until it ends), or if some files
+        off (one node, or ``replicas=0``). FileNotFoundError if no node's memory holds it (where some
+        nodes did not answer, they are asked again until they do or the timeout ends), or if some files
         will stay under-replicated whatever the wait (``stalled``: a replica acknowledged and lost since,
         a node's files that only replicas keep); TimeoutError after ``timeout`` seconds (None or
         ``math.inf``: no limit), saying which replicas are missing and why. Polls only the replication
@@ -441,38 +441,33 @@ class ReplicatingStore:
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = 0.05
         while True:
+            self.check_open()
             in_memory = catalog.read_commit(self.layout, cid) is not None
             look = functools.cache(functools.partial(self._cluster_look, cid))
             try:
                 with answer_by(deadline):  # a node that does not answer holds a look until then at most
                     st = self._with_replication(CheckpointStatus(cid, in_memory, "off"), _committed(look))
                     if st.replication in ("off", "replicated"):  # the replica nodes are not asked again
-                        return dataclasses.replace(
-                            self._upload_status(cid), replication=st.replication, replicas=st.replicas
-                        )
+                        up = self._persist_status(cid, _committed(look))
+                        return dataclasses.replace(up, replication=st.replication, replicas=st.replicas)
                     if st.replication == NOT_IN_MEMORY:
                         self._not_in_memory(cid, look())
-            except NodesUnansweredError as e:  # one of them may hold it: asked again until the deadline
-                if deadline is None:
-                    raise
-                if time.monotonic() >= deadline:
+            except NodesUnansweredError as e:  # one of them may hold it: asked again until it answers
+                if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"checkpoint {cid!r} not replicated after {timeout} s: {e}") from e
-                time.sleep(pause)
-                pause = min(2 * pause, 0.5)
-                continue
-            if st.stalled:
-                raise FileNotFoundError(
-                    f"checkpoint {st.checkpoint_id!r} is not replicated, and waiting does not make it "
-                    f"replicated: {st.stalled} (all: {st.replicas}). Nothing sends a lost replica again "
-                    "(acknowledged, but its node no longer keeps it: that node was replaced or wiped, or "
-                    "deleted or evicted its copy), nor replicates the files of a node that does not hold "
-                    "the checkpoint (kept only as replicas): latest_checkpoint() on every rank restores "
-                    "the newest checkpoint on the nodes that lack it and sends lost replicas again; "
-                    "persist an older one (store.persist(id))"
-                )
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"checkpoint {st.checkpoint_id!r} not replicated after {timeout} s: {st.replicas}"
-                )
-            time.sleep(pause)
-            pause = min(2 * pause, 0.5)
+            else:
+                if st.stalled:
+                    raise FileNotFoundError(
+                        f"checkpoint {st.checkpoint_id!r} is not replicated, and waiting does not make it "
+                        f"replicated: {st.stalled} (all: {st.replicas}). Nothing sends a lost replica "
+                        "again (acknowledged, but its node no longer keeps it: that node was replaced or "
+                        "wiped, or deleted or evicted its copy), nor replicates the files of a node that "
+                        "does not hold the checkpoint (kept only as replicas): latest_checkpoint() on every "
+                        "rank restores the newest checkpoint on the nodes that lack it and sends lost "
+                        "replicas again; persist an older one (store.persist(id))"
+                    )
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"checkpoint {st.checkpoint_id!r} not replicated after {timeout} s: {st.replicas}"
+                    )
+            pause = poll_pause(pause, deadline)

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Collection
 from pathlib import Path
 
+from dcp_memstore.replication.asking import asking_pool, warn_unanswered
 from dcp_memstore.replication.peers import Peers
 from dcp_memstore.replication.tcp import TcpTransport
 from dcp_memstore.replication.transport import format_peer
@@ -53,7 +54,8 @@ class ClusterCheckpoint:
         self.listed = 0  # how many data files (all nodes') the checkpoint's manifest lists
         me = peers.node.node_rank
         order = [(me + d) % peers.node.nnodes for d in range(peers.node.nnodes)]
-        for node, st in zip(order, run_parallel(self._stat, order, len(order), pool="cluster"), strict=True):
+        answers = run_parallel(self._stat, order, len(order), pool=asking_pool(deadline))
+        for node, st in zip(order, answers, strict=True):
             if st is None:
                 self.unreachable.append(node)
                 continue
@@ -75,9 +77,10 @@ class ClusterCheckpoint:
         try:
             return self.transport.stat(addr, self.checkpoint_id, self.persist_to, self.deadline)
         except (ConnectionError, TimeoutError, OSError, RuntimeError) as e:
-            log.warning(
-                "cannot ask %s what it holds of checkpoint %r: %s", format_peer(addr), self.checkpoint_id, e
-            )
+            warn_unanswered(
+                log, addr, "cannot ask %s what it holds of checkpoint %r: %s", format_peer(addr),
+                self.checkpoint_id, e,
+            )  # fmt: skip
             return None
 
     @property

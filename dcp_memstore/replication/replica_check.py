@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
+from dcp_memstore.replication.asking import asking_pool, warn_unanswered
 from dcp_memstore.replication.cluster_status import LOST, UNREACHABLE
 from dcp_memstore.replication.tcp import TcpTransport
 from dcp_memstore.replication.transport import PeerAddress, format_peer
@@ -47,12 +48,13 @@ def confirm(
         try:
             reply = transport.stat(addr, checkpoint_id, deadline=deadline)
         except (ConnectionError, TimeoutError, OSError, RuntimeError) as e:
-            log.warning(
-                "cannot ask %s whether it still keeps the replica of checkpoint %r: %s",
+            warn_unanswered(
+                log, addr, "cannot ask %s whether it still keeps the replica of checkpoint %r: %s",
                 format_peer(addr), checkpoint_id, e,
             )  # fmt: skip
             return UNREACHABLE
         there = reply["replicas"].get(source, {})
         return "replicated" if all(there.get(f) == size for f, size in files.items()) else LOST
 
-    return {**states, **dict(zip(asked, run_parallel(check, asked, len(asked), pool="cluster"), strict=True))}
+    answers = run_parallel(check, asked, len(asked), pool=asking_pool(deadline))
+    return {**states, **dict(zip(asked, answers, strict=True))}

@@ -412,7 +412,8 @@ def test_waits_with_a_timeout_keep_it_while_a_node_that_holds_the_checkpoint_doe
     naming node 1 unreachable, and once node 0 deleted its copy, ``wait_persisted(timeout=2)`` raises
     TimeoutError saying that node 1, which may hold it, did not answer. Each within its timeout and a
     little more: before, each look at node 1 waited ``replication_timeout_s`` (30 s here, ``math.inf``
-    allowed), and the second said the checkpoint was in no node's memory."""
+    allowed), and the second said the checkpoint was in no node's memory. A third ``wait_persisted``
+    (timeout 60 s) asks node 1 again until it is back and answers what it holds."""
     (tmp_path / "persist").mkdir()
     args = ["silent-peer", "--tmp", tmp_path, "--persist-to", tmp_path / "persist"]
     procs = launch(cluster2, [0, 1], args, tmp_path)
@@ -420,11 +421,12 @@ def test_waits_with_a_timeout_keep_it_while_a_node_that_holds_the_checkpoint_doe
     cluster2.node(1).link_down()
     try:
         (tmp_path / "cut").write_text("")
-        wait_line(tmp_path / "node0.log", '"attempt": "wait_persisted"', TIMEOUT_S)
+        wait_line(tmp_path / "node0.log", '"event": "asking-again"', TIMEOUT_S)
+        time.sleep(1)
     finally:
         cluster2.node(1).link_up()
         (tmp_path / "back").write_text("")
-    replicated, persisted = of(finish(procs, [0, 1], tmp_path)[0], "silent-peer")
+    replicated, persisted, again = of(finish(procs, [0, 1], tmp_path)[0], "silent-peer")
     assert replicated["outcome"].startswith("TimeoutError: checkpoint 'step-1' not replicated after 2.0 s")
     assert "'node1': 'unreachable'" in replicated["outcome"], replicated
     assert replicated["seconds"] < 2 + 2, replicated
@@ -433,3 +435,6 @@ def test_waits_with_a_timeout_keep_it_while_a_node_that_holds_the_checkpoint_doe
     )
     assert "; node 1 (" in persisted["outcome"] and ") did not answer" in persisted["outcome"], persisted
     assert persisted["seconds"] < 2 + MIN_ANSWER_S + 2, persisted
+    # asked again until node 1 answered (put back after 1 s): it holds the checkpoint, not owed anywhere
+    assert again["outcome"].startswith("ValueError: checkpoint 'step-1' is not being persisted"), again
+    assert again["outcome"].endswith("on the nodes that hold it") and 1 < again["seconds"] < 30, again
