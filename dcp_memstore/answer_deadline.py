@@ -17,6 +17,8 @@ import math
 import time
 from collections.abc import Iterator
 
+from dcp_memstore.errors import NodesUnansweredError
+
 # A timeout option at or above this (math.inf included) means no limit. It is taken as this many seconds
 # (over three years): socket and lock timeouts, and torch.distributed store waits, refuse infinity, and
 # sockets and thread waits refuse anything from about 9.2e9 s.
@@ -69,3 +71,24 @@ def poll_pause(pause: float, deadline: float | None) -> float:
     the longer it waits)."""
     time.sleep(pause if deadline is None else max(0.0, min(pause, deadline - time.monotonic())))
     return min(2 * pause, MAX_POLL_S)
+
+
+def unanswered_since(
+    error: NodesUnansweredError,
+    since: float | None,
+    patience_s: float,
+    deadline: float | None,
+    what: str,
+) -> float:
+    """In a wait whose look raised ``error`` (no node that answered holds the checkpoint, some did not
+    answer): when they first went unanswered in a row (``since``, now if None), to ask again. Raises
+    TimeoutError (``what``: "checkpoint 'x' not persisted after 2.0 s") once ``deadline`` is past, and
+    ``error`` itself once they have gone unanswered for ``patience_s`` (the store's
+    ``replication_timeout_s``): a node whose server is gone (ended, or closed its store) never answers,
+    and nothing else would end a wait without a timeout."""
+    now = time.monotonic()
+    if deadline is not None and now >= deadline:
+        raise TimeoutError(f"{what}: {error}") from error
+    if since is not None and now - since >= patience_s:
+        raise error
+    return now if since is None else since

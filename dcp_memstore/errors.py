@@ -73,8 +73,9 @@ class CheckpointInUseError(RuntimeError):
 
 class NodesUnansweredError(FileNotFoundError):
     """No node of the job that answered holds the checkpoint in memory, but some did not answer (down, hung
-    or cut off), and one of them may. A FileNotFoundError, like the error where every node answered; a
-    wait with a timeout asks again until it ends, then raises TimeoutError."""
+    or cut off), and one of them may. A FileNotFoundError, like the error where every node answered. The
+    waits ask again, and raise it once the nodes have not answered for ``replication_timeout_s`` (or
+    TimeoutError once their own timeout ends)."""
 
 
 class StagingTimeoutError(TimeoutError):

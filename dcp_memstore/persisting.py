@@ -14,7 +14,13 @@ import os
 import time
 from collections.abc import Callable
 
-from dcp_memstore.answer_deadline import answer_by, answer_limit, optional_timeout, poll_pause
+from dcp_memstore.answer_deadline import (
+    answer_by,
+    answer_limit,
+    optional_timeout,
+    poll_pause,
+    unanswered_since,
+)
 from dcp_memstore.errors import NodesUnansweredError, PersistError
 from dcp_memstore.persist import target_users
 from dcp_memstore.persist.bounded_calls import BoundedCalls
@@ -207,33 +213,35 @@ class PersistingStore:
         """Block until ``checkpoint_id`` is persisted. Raises PersistError if its upload failed for good,
         ValueError if nothing will upload it (not requested: call ``persist(id)``), TimeoutError after
         ``timeout`` seconds (None: no limit), FileNotFoundError if no tier holds it (where some nodes did
-        not answer, they are asked again until they do or the timeout ends). Returns its
-        ``status`` (whose looks at other nodes end by the same deadline)."""
+        not answer, they are asked again for ``replication_timeout_s``, or until the timeout ends).
+        Returns its ``status`` (whose looks at other nodes end by the same deadline)."""
         start = time.monotonic()
         timeout = optional_timeout("timeout", timeout)
-        self._wait_uploaded(checkpoint_id, timeout)
+        st = self._wait_uploaded(checkpoint_id, timeout)
         with answer_by(None if timeout is None else start + timeout):
-            return self.status(checkpoint_id)
+            cluster = functools.cache(functools.partial(self._cluster_copy, st.checkpoint_id))
+            return self._with_replication(st, cluster)
 
-    def _wait_uploaded(self, checkpoint_id: str, timeout: float | None) -> None:
-        """``wait_persisted`` without the status it returns: polls the upload state alone (no replica
-        node is asked, see ``_upload_status``), as ``close`` waits."""
+    def _wait_uploaded(self, checkpoint_id: str, timeout: float | None) -> CheckpointStatus:
+        """``wait_persisted`` without the replication of the status it returns: polls the upload state
+        alone (no replica node is asked, see ``_upload_status``), as ``close`` waits; the last state."""
         timeout = optional_timeout("timeout", timeout)
         cid = validate_name(checkpoint_id)
         deadline = None if timeout is None else time.monotonic() + timeout
-        pause = 0.05
+        pause, silent = 0.05, None  # silent: since when nodes have gone unanswered in a row
         while True:
             self.check_open()
             try:
                 with answer_by(deadline):
                     st = self._upload_status(cid)
-            except NodesUnansweredError as e:  # one of them may hold it: asked again until it answers
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"checkpoint {cid!r} not persisted after {timeout} s: {e}") from e
+            except NodesUnansweredError as e:  # one of them may hold it: asked again for a while
+                what = f"checkpoint {cid!r} not persisted after {timeout} s"
+                silent = unanswered_since(e, silent, self.replication_timeout_s, deadline, what)
                 pause = poll_pause(pause, deadline)
                 continue
+            silent = None
             if st.persisted:
-                return
+                return st
             if st.persist == "failed":
                 raise PersistError(
                     f"persisting checkpoint {st.checkpoint_id!r} to {self.target.url} failed: {st.error}"

@@ -19,7 +19,13 @@ from typing import Any, NoReturn
 
 import torch.distributed as dist
 
-from dcp_memstore.answer_deadline import answer_by, look_deadline, optional_timeout, poll_pause
+from dcp_memstore.answer_deadline import (
+    answer_by,
+    look_deadline,
+    optional_timeout,
+    poll_pause,
+    unanswered_since,
+)
 from dcp_memstore.errors import CommitError, NodesUnansweredError
 from dcp_memstore.persist.persister import local_rank_and_size
 from dcp_memstore.persist.progress import Progress
@@ -430,7 +436,8 @@ class ReplicatingStore:
         holds it, until every replica node acknowledged this node's files; where it does not, until every
         file of it is kept by its node and that node's replica nodes. Returns at once when replication is
         off (one node, or ``replicas=0``). FileNotFoundError if no node's memory holds it (where some
-        nodes did not answer, they are asked again until they do or the timeout ends), or if some files
+        nodes did not answer, they are asked again for ``replication_timeout_s``, or until the timeout
+        ends), or if some files
         will stay under-replicated whatever the wait (``stalled``: a replica acknowledged and lost since,
         a node's files that only replicas keep); TimeoutError after ``timeout`` seconds (None or
         ``math.inf``: no limit), saying which replicas are missing and why. Polls only the replication
@@ -439,7 +446,7 @@ class ReplicatingStore:
         cid = validate_name(checkpoint_id)
         self.check_open()
         deadline = None if timeout is None else time.monotonic() + timeout
-        pause = 0.05
+        pause, silent = 0.05, None  # silent: since when nodes have gone unanswered in a row
         while True:
             self.check_open()
             in_memory = catalog.read_commit(self.layout, cid) is not None
@@ -452,10 +459,11 @@ class ReplicatingStore:
                         return dataclasses.replace(up, replication=st.replication, replicas=st.replicas)
                     if st.replication == NOT_IN_MEMORY:
                         self._not_in_memory(cid, look())
-            except NodesUnansweredError as e:  # one of them may hold it: asked again until it answers
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"checkpoint {cid!r} not replicated after {timeout} s: {e}") from e
+            except NodesUnansweredError as e:  # one of them may hold it: asked again for a while
+                what = f"checkpoint {cid!r} not replicated after {timeout} s"
+                silent = unanswered_since(e, silent, self.replication_timeout_s, deadline, what)
             else:
+                silent = None
                 if st.stalled:
                     raise FileNotFoundError(
                         f"checkpoint {st.checkpoint_id!r} is not replicated, and waiting does not make it "

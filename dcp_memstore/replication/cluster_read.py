@@ -78,7 +78,7 @@ class ClusterCheckpoint:
             return self.transport.stat(addr, self.checkpoint_id, self.persist_to, self.deadline)
         except (ConnectionError, TimeoutError, OSError, RuntimeError) as e:
             warn_unanswered(
-                log, addr, "cannot ask %s what it holds of checkpoint %r: %s", format_peer(addr),
+                log, addr, e, "cannot ask %s what it holds of checkpoint %r: %s", format_peer(addr),
                 self.checkpoint_id, e,
             )  # fmt: skip
             return None

@@ -49,7 +49,7 @@ def confirm(
             reply = transport.stat(addr, checkpoint_id, deadline=deadline)
         except (ConnectionError, TimeoutError, OSError, RuntimeError) as e:
             warn_unanswered(
-                log, addr, "cannot ask %s whether it still keeps the replica of checkpoint %r: %s",
+                log, addr, e, "cannot ask %s whether it still keeps the replica of checkpoint %r: %s",
                 format_peer(addr), checkpoint_id, e,
             )  # fmt: skip
             return UNREACHABLE

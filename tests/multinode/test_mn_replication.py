@@ -412,8 +412,9 @@ def test_waits_with_a_timeout_keep_it_while_a_node_that_holds_the_checkpoint_doe
     naming node 1 unreachable, and once node 0 deleted its copy, ``wait_persisted(timeout=2)`` raises
     TimeoutError saying that node 1, which may hold it, did not answer. Each within its timeout and a
     little more: before, each look at node 1 waited ``replication_timeout_s`` (30 s here, ``math.inf``
-    allowed), and the second said the checkpoint was in no node's memory. A third ``wait_persisted``
-    (timeout 60 s) asks node 1 again until it is back and answers what it holds."""
+    allowed), and the second said the checkpoint was in no node's memory. A third ``wait_persisted``,
+    without a timeout, asks node 1 again until it is back and answers what it holds (it would give up
+    after ``replication_timeout_s``)."""
     (tmp_path / "persist").mkdir()
     args = ["silent-peer", "--tmp", tmp_path, "--persist-to", tmp_path / "persist"]
     procs = launch(cluster2, [0, 1], args, tmp_path)
