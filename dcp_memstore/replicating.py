@@ -203,8 +203,7 @@ class ReplicatingStore:
     def _cluster_copy(self, cid: str) -> ClusterCheckpoint | None:
         """``cid`` as the other nodes' memory holds it (with their upload states towards this store's
         ``persist_to``), or None (single node, or committed on no node that answered)."""
-        cluster = self._cluster_look(cid)
-        return cluster if cluster is not None and cluster.available else None
+        return _committed(functools.partial(self._cluster_look, cid))()
 
     def _cluster_look(self, cid: str) -> ClusterCheckpoint | None:
         """What every node's memory holds of ``cid``, committed there or not, and which nodes did not
@@ -437,14 +436,12 @@ class ReplicatingStore:
         file of it is kept by its node and that node's replica nodes. Returns at once when replication is
         off (one node, or ``replicas=0``). FileNotFoundError if no node's memory holds it (where some
         nodes did not answer, they are asked again for ``replication_timeout_s``, or until the timeout
-        ends), or if some files
-        will stay under-replicated whatever the wait (``stalled``: a replica acknowledged and lost since,
-        a node's files that only replicas keep); TimeoutError after ``timeout`` seconds (None or
-        ``math.inf``: no limit), saying which replicas are missing and why. Polls only the replication
-        (not the persistent copy), at most a few times a second."""
+        ends), or if some files will stay under-replicated whatever the wait (``stalled``: a replica
+        acknowledged and lost since, a node's files that only replicas keep); TimeoutError after
+        ``timeout`` seconds (None or ``math.inf``: no limit), saying which replicas are missing and why.
+        Polls only the replication (not the persistent copy), at most a few times a second."""
         timeout = optional_timeout("timeout", timeout)
         cid = validate_name(checkpoint_id)
-        self.check_open()
         deadline = None if timeout is None else time.monotonic() + timeout
         pause, silent = 0.05, None  # silent: since when nodes have gone unanswered in a row
         while True:
