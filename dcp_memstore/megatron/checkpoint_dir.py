@@ -167,10 +167,10 @@ class CommonStateCheck:
     a committed checkpoint replaces it even though the store refuses that save's tensors; loading would
     then mix the two saves. Pointers without a checksum (none recorded) are not checked.
 
-    A check remembers the file it last verified (device, inode, size, modification and change times, taken
-    before reading it) with the checksum it matched: Megatron's ``FullyParallelLoadStrategyWrapper`` runs
-    the load strategy twice per load (objects, then tensors), and the second run does not read and hash
-    the same file again. A ``common.pt`` written since has other times, and is checked again."""
+    A check remembers the file it last verified (``common_version``, taken before reading it) with the
+    checksum it matched: Megatron's ``FullyParallelLoadStrategyWrapper`` runs the load strategy twice per
+    load (objects, then tensors), and the second run does not read and hash the same file again. A
+    ``common.pt`` written since has another modification time, and is checked again."""
 
     def __init__(self) -> None:
         self._verified: tuple | None = None
@@ -180,7 +180,7 @@ class CommonStateCheck:
         if pointer is None or pointer.get("common_checksum") is None:
             return
         path = Path(checkpoint_dir) / COMMON_STATE
-        seen = (_file_version(path), pointer["common_checksum"])  # the version before it is read
+        seen = (common_version(checkpoint_dir), pointer["common_checksum"])  # the version before it is read
         if seen[0] is not None and seen == self._verified:
             return
         if common_checksum(checkpoint_dir) != pointer["common_checksum"]:
@@ -191,13 +191,3 @@ class CommonStateCheck:
                 "(store.latest_checkpoint()), or delete this one with store.delete(id) and save it again"
             )
         self._verified = seen
-
-
-def _file_version(path: Path) -> tuple[int, ...] | None:
-    """What writing or replacing the file at ``path`` changes: its device, inode, size, modification and
-    change times; None if there is no file."""
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        return None
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
