@@ -85,6 +85,7 @@ class MemoryStorageReader(StorageReader):
         ``load_sharded_optimizer_state_dict``) call it without one: the next load then reads the checkpoint
         this reader was last aimed at, as a ``FileSystemReader`` reads its path."""
         self._storage_data, self._loaded, self._deferred_error, self._read_error = {}, False, None, None
+        self._source = None  # until the new aim is found: a failed reset leaves no earlier checkpoint to load
         try:
             if checkpoint_id is None:
                 if self.checkpoint_id is None:

@@ -103,14 +103,21 @@ def test_load_from_an_empty_store_says_there_are_none(quick_store):
         load(quick_store, _state(), "step-1")
 
 
-@pytest.mark.parametrize("reader_used_before", [False, True])
+@pytest.mark.parametrize(
+    "reader_used_before", ["no", "loaded", "loaded, then a bad id", "loaded, then unknown"]
+)
 def test_load_with_checkpoint_id_none_is_a_clear_error(quick_store, reader_used_before):
     """The None that latest_checkpoint() returns when there is nothing to resume from never loads anything,
-    also with a reader that loaded a checkpoint before (DCP does not reset a reader when the id is None)."""
+    also with a reader that loaded a checkpoint before (DCP does not reset a reader when the id is None),
+    and with one whose last load failed on its checkpoint id (that reset found nothing to aim at)."""
     save(quick_store, _state(1), "a")
     reader = MemoryStorageReader(quick_store)
-    if reader_used_before:
+    if reader_used_before != "no":
         dcp.load(_state(5), checkpoint_id="a", storage_reader=reader, no_dist=True)
+    if reader_used_before.endswith(("bad id", "unknown")):
+        bad = "bad/id" if reader_used_before.endswith("bad id") else "missing"
+        with pytest.raises((ValueError, FileNotFoundError)):
+            dcp.load(_state(5), checkpoint_id=bad, storage_reader=reader, no_dist=True)
     dest = _state(5)
     with pytest.raises(CheckpointException) as ei:
         dcp.load(dest, checkpoint_id=None, storage_reader=reader, no_dist=True)
