@@ -1,10 +1,12 @@
 """DCP ``Metadata`` to and from msgpack-encodable values, so reading a checkpoint unpickles nothing.
 
-Covers what DCP's planners put there: tensor and bytes storage metadata, the planner's flattening map
-(tuples of str/int), storage meta and version. Anything else in ``planner_data`` raises a TypeError that
-names the offending value at save time, never a silent loss. A tensor's strides, which DCP records from
-torch 2.15 on, are kept where DCP gave them and given back where the installed torch has the field, so a
-checkpoint moves between torch releases as DCP's own pickled metadata does.
+Covers what DCP's planners put there: tensor and bytes storage metadata, the planner's flattening map (tuples
+of str/int, tagged ``{"__tuple__": [...]}``; a dict whose one key is that tag, such as the map of a state dict
+with that one key, is stored as ``{"__tuple__": {...}}``), storage meta and version. Anything else in
+``planner_data`` raises a TypeError that names the offending value at save time, never a silent loss. A
+tensor's strides, which DCP records from torch 2.15 on, are kept where DCP gave them and given back where the
+installed torch has the field, so a checkpoint moves between torch releases as DCP's own pickled metadata
+does.
 
 A tensor's ``pin_memory`` is recorded, and read back (from older manifests too), as False. DCP takes it
 from the tensor it planned from, which for ``async_save`` is the staged copy: a view of a shard file,
@@ -60,7 +62,9 @@ def _plain(value: Any, where: str) -> Any:
     if isinstance(value, list):
         return [_plain(v, where) for v in value]
     if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-        return {k: _plain(v, f"{where}.{k}") for k, v in value.items()}
+        plain = {k: _plain(v, f"{where}.{k}") for k, v in value.items()}
+        # a dict whose one key is the tag would read back as a tuple: escaped as the tag over a dict
+        return {_TUPLE: plain} if set(plain) == {_TUPLE} else plain
     raise TypeError(
         f"{where} holds a {type(value).__name__}, which dcp_memstore cannot store without pickling; "
         "a custom planner's planner_data may hold only None, bool, int, float, str, bytes, lists, tuples "
@@ -73,7 +77,10 @@ def _unplain(value: Any) -> Any:
         return [_unplain(v) for v in value]
     if isinstance(value, dict):
         if set(value) == {_TUPLE}:
-            return tuple(_unplain(v) for v in value[_TUPLE])
+            tagged = value[_TUPLE]
+            if isinstance(tagged, dict):  # an escaped dict (see _plain); a tuple is tagged as a list
+                return {k: _unplain(v) for k, v in tagged.items()}
+            return tuple(_unplain(v) for v in tagged)
         return {k: _unplain(v) for k, v in value.items()}
     return value
 

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.testing._internal.two_tensor import TwoTensor
 
 from dcp_memstore import MemoryStorageReader, MemoryStorageWriter, MemStore
-from dcp_memstore.dcp.metadata_codec import with_stored_dtypes
+from dcp_memstore.dcp.metadata_codec import decode_metadata, encode_metadata, with_stored_dtypes
 from dcp_memstore.store.layout import objects_name
 from dcp_memstore.store.manifest import ManifestItem, ShardLocation
 
@@ -153,6 +153,21 @@ def test_a_load_sees_the_dcp_metadata_that_filesystemwriter_records(store, tmp_p
     ours, stock = reader.read_metadata(), dcp.FileSystemReader(tmp_path).read_metadata()
     assert ours.state_dict_metadata == stock.state_dict_metadata
     assert ours.planner_data == stock.planner_data
+
+
+def test_keys_named_like_the_codecs_tuple_tag_round_trip(store, tmp_path):
+    """DCP's metadata is stored without pickling, tuples under a tag; a state dict whose one key is that
+    tag (and values of a custom planner's data keyed by it) come back as dicts, not tuples."""
+    sd = {"__tuple__": torch.arange(4)}
+    save(store, sd, "tag")
+    assert_tree_equal(load_fresh(store, snapshot(sd), "tag"), sd)
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path), no_dist=True)
+    reader = MemoryStorageReader(store)
+    reader.reset("tag")
+    assert reader.read_metadata().planner_data == dcp.FileSystemReader(tmp_path).read_metadata().planner_data
+    data = {"a": {"__tuple__": ("x", 1)}, "b": {"__tuple__": {"__tuple__": []}}, "c": ({"__tuple__": 2},)}
+    md = Metadata(state_dict_metadata={}, planner_data=data)
+    assert decode_metadata(encode_metadata(md), {}).planner_data == data
 
 
 @pytest.mark.parametrize("mode", ["save", "async_save"])
