@@ -5,7 +5,8 @@ planner narrows it to the requested region (resharding), and one ``copy_`` moves
 tensor (host-to-device straight from tmpfs pages for GPU destinations). Every item read is checked against
 its checksum, unless the store turns verification off: whole items into CPU tensors are hashed while they
 are copied, other reads verify the stored item before copying from it. Files are read in parallel, except
-reads whose destinations share memory: those run in plan order on one thread.
+reads whose destinations share memory: those run in plan order on one thread; so do all the reads of a
+planner with its own ``resolve_tensor`` or ``commit_tensor``, each between its two calls.
 
 A load holds this node's copy of its checkpoint (a retention hold, ``catalog.process_hold``) from
 ``read_metadata`` until ``read_data`` ends, so saves committing meanwhile, in this process or another,
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
@@ -220,13 +222,17 @@ class MemoryStorageReader(StorageReader):
 
     def _read_plan(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         """Read every item of ``plan`` into the planner's destinations, then hand them to the planner in
-        plan order (the planner is called from this thread only).
+        plan order (the planner is called from this thread only). A planner with its own
+        ``resolve_tensor`` or ``commit_tensor`` gets each item's pair of calls in turn (``_read_in_pairs``).
 
         Files are read in parallel, one task per file. Reads whose destinations share memory (one tensor
         under two keys, as tied weights loading an untied checkpoint; overlapping views) run in plan order
         in one task of their own: the item later in the plan wins, as with FileSystemReader, and no other
         thread writes into a destination while it is copied and hashed (which made the result random and
         failed intact checkpoints with ChecksumMismatchError)."""
+        if _pairs_tensors(planner):
+            self._read_in_pairs(plan, planner)
+            return
         reads = []
         for req in plan.items:
             loc = self._storage_data[req.storage_index]
@@ -248,6 +254,20 @@ class MemoryStorageReader(StorageReader):
                 planner.load_bytes(r.req, io.BytesIO(r.data))
             else:
                 planner.commit_tensor(r.req, r.dst)
+
+    def _read_in_pairs(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        """Read the items of ``plan`` one by one in plan order on this thread (and its current GPU stream),
+        each tensor between its ``resolve_tensor`` and its ``commit_tensor``, as FileSystemReader does."""
+        for req in plan.items:
+            loc = self._storage_data[req.storage_index]
+            if req.type == LoadItemType.BYTE_IO:
+                r = _Read(req, loc, None)
+                self._read_file_or_fall_back([r])
+                planner.load_bytes(req, io.BytesIO(r.data))
+            else:
+                r = _Read(req, loc, planner.resolve_tensor(req).detach())
+                self._read_file_or_fall_back([r])
+                planner.commit_tensor(req, r.dst)
 
     def _read_runs(self, runs: list[list[_Read]]) -> None:
         """Read ``runs`` one after another, each the reads of one file; return once the copies into GPU
@@ -425,6 +445,18 @@ class _Read:
             and tuple(self.dst.shape) == self.loc.shape
             and not any(self.req.storage_offsets)
         )
+
+
+def _pairs_tensors(planner: LoadPlanner) -> bool:
+    """Whether ``planner`` has a ``resolve_tensor`` or ``commit_tensor`` of its own. DCP calls the two "in
+    pair for each Tensor value", and such a planner may hold state from one to the other (Megatron's
+    MCoreLoadPlanner keeps one intermediate tensor, for FP8 destinations, and asserts that the commit
+    follows its resolve), so its items are not read in parallel. DCP's own planners hold none."""
+    cls = type(planner)
+    return (
+        cls.resolve_tensor is not DefaultLoadPlanner.resolve_tensor
+        or cls.commit_tensor is not DefaultLoadPlanner.commit_tensor
+    )
 
 
 def _region(stored: torch.Tensor, r: _Read) -> torch.Tensor:

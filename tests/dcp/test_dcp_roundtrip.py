@@ -20,7 +20,7 @@ from dcp_state import (
     save,
     snapshot,
 )
-from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -153,6 +153,44 @@ def test_a_load_sees_the_dcp_metadata_that_filesystemwriter_records(store, tmp_p
     ours, stock = reader.read_metadata(), dcp.FileSystemReader(tmp_path).read_metadata()
     assert ours.state_dict_metadata == stock.state_dict_metadata
     assert ours.planner_data == stock.planner_data
+
+
+class _OneScratchPlanner(DefaultLoadPlanner):
+    """Reads every tensor through one scratch buffer and copies it out in ``commit_tensor``, which DCP's
+    contract allows (``resolve_tensor`` and ``commit_tensor`` are called in pair for each tensor); asserts
+    the pairing, as Megatron's MCoreLoadPlanner does for its FP8 intermediates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scratch = torch.empty(1 << 12, dtype=torch.float64)
+        self.pending = None
+
+    def resolve_tensor(self, read_item):
+        target = super().resolve_tensor(read_item)
+        assert self.pending is None, "a resolve_tensor before the commit_tensor of the one before"
+        self.pending = (read_item, target)
+        return self.scratch.view(torch.uint8)[: target.nbytes].view(target.dtype).view(target.shape)
+
+    def commit_tensor(self, read_item, tensor):
+        item, target = self.pending
+        assert item is read_item, "a commit_tensor of another item than the one resolved"
+        target.copy_(tensor)
+        self.pending = None
+
+
+def test_a_planner_with_its_own_resolve_and_commit_gets_them_in_pair(store):
+    """A planner that keeps state from ``resolve_tensor`` to ``commit_tensor`` gets each tensor's two calls
+    in turn, with the tensor read in between, as from FileSystemReader (once all resolved first: every
+    tensor got the last one's bytes)."""
+    sd = {
+        "a": torch.arange(16, dtype=torch.float32),
+        "b": torch.randn(3, 5).to(torch.bfloat16),
+        "c": torch.arange(7),
+        "t": torch.randn(6, 4).t(),
+        "nested": {"step": 3, "name": "run"},
+    }
+    save(store, sd, "p")
+    assert_tree_equal(load(store, blank_like(sd), "p", planner=_OneScratchPlanner()), sd)
 
 
 def test_keys_named_like_the_codecs_tuple_tag_round_trip(store, tmp_path):
