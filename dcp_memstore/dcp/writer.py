@@ -476,7 +476,8 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                     write_atomic(directory / MANIFEST, encoded)
                 crash_point("before-commit", self.rank)
                 seq = catalog.next_seq(layout)
-                record = CommitRecord(self.checkpoint_id, seq, time.time(), manifest.nbytes)
+                at = catalog.next_commit_time(layout)
+                record = CommitRecord(self.checkpoint_id, seq, at, manifest.nbytes)
                 # other nodes: prepared (invisible) first, committed only after this node commits
                 record = self.store.prepare_everywhere(record, encoded)
             except BaseException:

@@ -45,6 +45,7 @@ from dcp_memstore.store.records import read_record, write_record
 
 log = logging.getLogger(__name__)
 _skipped: set[tuple[str, str]] = set()  # (directory, error) of corrupt checkpoints already logged
+COMMIT_TIME_STEP_S = 1e-3  # a commit time is at least this much after the newest before it
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,14 @@ def next_seq(layout: StoreLayout) -> int:
     return max((r.seq for r in committed(layout)), default=0) + 1
 
 
+def next_commit_time(layout: StoreLayout) -> float:
+    """The commit time the next commit gets: now, but after the newest committed checkpoint's. Commit
+    times order checkpoints across tiers and stores (``latest_checkpoint``), so a wall clock stepped back
+    (NTP, a VM restored from a snapshot) must not make a new checkpoint look older than the ones before."""
+    newest = max((r.committed_at for r in committed(layout)), default=0.0)
+    return max(time.time(), newest + COMMIT_TIME_STEP_S)
+
+
 def join(layout: StoreLayout, checkpoint_id: str) -> Path:
     """The checkpoint's directory on this node, begun here if the coordinator runs on another node (its
     ``begin`` made the directory on its own node only). Safe to race between the ranks of a node.
@@ -177,10 +186,12 @@ def commit(
 ) -> CommitRecord:
     """Write the COMMITTED marker: from here on the checkpoint is visible (coordinator only, or on each
     node as the coordinator says). ``seq`` defaults to ``next_seq``; pass the one a caller already decided
-    on (e.g. to place a hold first). ``committed_at`` defaults to now (other nodes take the coordinator's)."""
+    on (e.g. to place a hold first). ``committed_at`` defaults to ``next_commit_time`` (other nodes take the
+    coordinator's)."""
     d = layout.checkpoint_dir(checkpoint_id)
     seq = next_seq(layout) if seq is None else seq
-    rec = CommitRecord(checkpoint_id, seq, time.time() if committed_at is None else committed_at, nbytes)
+    at = next_commit_time(layout) if committed_at is None else committed_at
+    rec = CommitRecord(checkpoint_id, seq, at, nbytes)
     write_record(d / COMMITTED, rec.to_record())
     (d / INPROGRESS).unlink(missing_ok=True)
     return rec

@@ -179,6 +179,20 @@ def test_list_and_latest_follow_commit_order_not_names(shm_dir):
     assert store.list_checkpoints() == ["step-10", "step-100", "alpha"]
 
 
+def test_latest_is_the_newest_save_after_the_wall_clock_stepped_back(shm_dir, monkeypatch):
+    """Commit times order checkpoints across tiers (latest_checkpoint); a clock stepped back by 10 minutes
+    (NTP, a VM restored) between two saves must not make the newer one look older. ``time.time`` is
+    replaced (fault injection: the machine's clock cannot be set from a test)."""
+    store = MemStore(root=shm_dir, job_id="job")
+    save(store, _state(1), "step-1")
+    wall_clock = time.time
+    monkeypatch.setattr(time, "time", lambda: wall_clock() - 600)
+    save(store, _state(2), "step-2")
+    assert store.list_checkpoints() == ["step-1", "step-2"]
+    assert store.latest_checkpoint() == "step-2"
+    assert_tree_equal(load_fresh(store, _state(2), store.latest_checkpoint()), _state(2))
+
+
 def test_an_eviction_working_from_a_stale_listing_keeps_a_newer_save_of_the_id(shm_dir, monkeypatch):
     """Eviction lists the checkpoints before it takes the retention lock. Another process may evict or
     delete one of them meanwhile, and the id be saved again: that new save is kept. The interleaving
