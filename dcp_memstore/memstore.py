@@ -521,14 +521,16 @@ class MemStore(PersistingStore, ReplicatingStore):
                     used = saving is None or rank in saving or catalog.pool_in_use(self.layout, rank)
                     FilePool(self.layout, rank).trim(keep=self.max_in_flight * self.io_threads if used else 0)
 
-    def check_space(self, needed: int, rank: int) -> None:
-        """Raise InsufficientSpaceError unless ``needed`` bytes fit in free space plus rank ``rank``'s pool
-        of reusable files. When checkpoints owed to persistent storage fill memory, say so, or wait for
-        their uploads to free it (persist_backlog)."""
+    def check_space(self, needed: int, rank: int, files: list[int] | None = None) -> None:
+        """Raise InsufficientSpaceError unless ``needed`` bytes fit in free space plus what rank ``rank``'s
+        pool of reusable files provides for shard files of ``files`` bytes (``FilePool.reusable_bytes``;
+        ``needed`` includes them). When checkpoints owed to persistent storage fill memory, say so, or
+        wait for their uploads to free it (persist_backlog)."""
         deadline = time.monotonic() + self.stage_timeout_s
         while True:
             try:
-                space.check_space(self.layout.root, needed, FilePool(self.layout, rank).reusable_bytes())
+                reusable = FilePool(self.layout, rank).reusable_bytes(files)
+                space.check_space(self.layout.root, needed, reusable)
                 return
             except InsufficientSpaceError as e:
                 if not self._owed():

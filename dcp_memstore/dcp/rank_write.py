@@ -37,6 +37,7 @@ from dcp_memstore.store.mapping import MAPPINGS, MappedFile
 from dcp_memstore.store.packing import ITEM_ALIGN, pack
 from dcp_memstore.store.pool import Claims, FilePool, round_up
 from dcp_memstore.store.records import write_atomic
+from dcp_memstore.store.space import space_errors
 from dcp_memstore.store.threads import run_parallel
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,7 @@ class RankWrite:
         needed = sum(round_up(size) for _, size, _ in copy_files)
         needed += round_up(sum(len(b) + (-len(b) % ITEM_ALIGN) for _, b in objects)) if objects else 0
         needed += manifest_bytes_estimate(it.index.fqn for it in self.plan.items)
-        self.store.check_space(needed, self.rank)
+        self.store.check_space(needed, self.rank, [size for _, size, _ in copy_files])
         stager = Stager.of(self.store) if self.reserve_ahead and self.slot is None and copy_files else None
 
         jobs = [
@@ -235,7 +236,8 @@ class RankWrite:
             blob += b"\0" * (-len(blob) % ITEM_ALIGN)
             loc = ShardLocation(name, off, len(buf), checksum_bytes(buf))
             self.results.append(WriteResult(index=item.index, size_in_bytes=len(buf), storage_data=loc))
-        write_atomic(self.dir / name, blob)
+        with space_errors(self.store.layout.root, len(blob), "for the values DCP serialised"):
+            write_atomic(self.dir / name, blob)
 
 
 def _tensor_result(item: WriteItem, file: str, offset: int, t: torch.Tensor, digest: int) -> WriteResult:

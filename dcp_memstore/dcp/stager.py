@@ -102,13 +102,14 @@ class Stager:
     def stage(
         self,
         state_dict: dict[str, Any],
-        check_space: Callable[[int, int], None],
+        check_space: Callable[[int, int, list[int]], None],
         api: SaveApi,
     ) -> tuple[dict[str, Any], Ticket, int]:
         """Copy ``state_dict``'s tensors into a new staging slot; return the staged state dict, its ticket
         and the bytes copied.
-        ``check_space(needed, rank)`` raises InsufficientSpaceError, before anything is allocated, if the
-        slot's ``needed`` bytes do not fit (the writer's check, which may first reclaim failed saves' files).
+        ``check_space(needed, rank, files)`` raises InsufficientSpaceError, before anything is allocated, if
+        the slot's ``needed`` bytes (shard files of ``files`` bytes among them) do not fit (the writer's
+        check, which may first reclaim failed saves' files).
         ``api`` (how the user makes saves) is named in the StagingTimeoutError's advice.
 
         Tensors whose bytes are not their value (``storable.problem``) are cloned instead, and the write
@@ -124,7 +125,7 @@ class Stager:
             pool = FilePool(self.store.layout, rank)
             # the files as allocated (whole pages), and the page of the slot's owner record
             needed = sum(round_up(size) for size in file_sizes) + FILE_ALIGN
-            check_space(needed, rank)
+            check_space(needed, rank, file_sizes)
             ticket = self.order.issue()
             slot = self._slot_for(rank, ticket)
             try:

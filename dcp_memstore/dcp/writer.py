@@ -46,7 +46,8 @@ from dcp_memstore.store.ids import is_valid_name, validate_name
 from dcp_memstore.store.layout import MANIFEST, StoreLayout, parse_slot
 from dcp_memstore.store.manifest import Manifest, ManifestItem, manifest_bytes_estimate
 from dcp_memstore.store.mapping import MAPPINGS
-from dcp_memstore.store.packing import packed_bytes
+from dcp_memstore.store.packing import pack
+from dcp_memstore.store.pool import FILE_ALIGN, round_up
 from dcp_memstore.store.records import write_atomic
 from dcp_memstore.store.space import space_errors
 from dcp_memstore.store.threads import runs_code_of
@@ -178,7 +179,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             clock = time.perf_counter()
             staged, ticket, nbytes = Stager.of(self.store).stage(
                 state_dict,
-                lambda needed, rank: check_space_reclaiming(self.store, needed, rank, started),
+                lambda needed, rank, files: check_space_reclaiming(self.store, needed, rank, started, files),
                 self.save_api,
             )
         except Exception as e:
@@ -322,14 +323,14 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                 "save under a new id or remove it first with store.delete(id)"
             )
         needed = manifest_bytes_estimate(it.index.fqn for it in plan.items)
+        files = None
         if self._current is None:  # not staged: this save copies every tensor into new shard files
             # Files allocated ahead for it count once they are in the pool; those still being allocated
             # would count nowhere, so the reservation stops first (the save allocates the rest itself).
             Stager.of(self.store).wait_reserved(stop=True)
-            needed += packed_bytes(
-                [_nbytes(it) for it in plan.items if it.tensor_data], self.store.io_threads
-            )
-        check_space_reclaiming(self.store, needed, self.rank, self._save_started, self)
+            files = pack([_nbytes(it) for it in plan.items if it.tensor_data], self.store.io_threads)[1]
+            needed += sum(round_up(size) for size in files)
+        check_space_reclaiming(self.store, needed, self.rank, self._save_started, self, files)
         return plan
 
     @_releases_slot_on_error
@@ -351,7 +352,8 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                 self._refuse_if_being_saved()
                 catalog.discard(layout, directory)  # an earlier failed attempt at this id
             try:
-                catalog.begin(layout, cid)
+                with space_errors(layout.root, FILE_ALIGN, "for the checkpoint's in-progress marker"):
+                    catalog.begin(layout, cid)
             except OSError as e:
                 if directory.exists():  # another process began it between the check and here
                     raise CheckpointExistsError(self._being_saved("another process")) from e
@@ -549,21 +551,26 @@ def running_saves(layout: StoreLayout, exclude: MemoryStorageWriter | None = Non
 
 
 def check_space_reclaiming(
-    store: MemStore, needed: int, rank: int, started: float, exclude: MemoryStorageWriter | None = None
+    store: MemStore,
+    needed: int,
+    rank: int,
+    started: float,
+    exclude: MemoryStorageWriter | None = None,
+    files: list[int] | None = None,
 ) -> None:
-    """``store.check_space``; where it fails, first discard what earlier failed saves of this process left
-    (their files go to the pools), evict the checkpoints beyond ``keep_in_memory``, and check again. In a
-    job of several ranks a failed save leaves the directory its coordinator began, with the files other
-    ranks wrote into it, and that was cleared only after the next commit: if those files left too little
-    room, no later save could commit. Checkpoints beyond ``keep_in_memory`` were likewise evicted only
-    after a commit: a job killed between a commit and its eviction, or reopened with a lower
-    ``keep_in_memory`` (as the space error advises), could not save again. Saves of this
-    process that began before ``started`` have ended (saves run in order); those of ``exclude`` and of
-    other threads still writing are kept. Saves sent to DCP's checkpoint process (PROCESS executor) ran
+    """``store.check_space`` (of ``needed`` bytes, shard files of ``files`` bytes among them); where it fails,
+    first discard what earlier failed saves of this process left (their files go to the pools), evict the
+    checkpoints beyond ``keep_in_memory``, and check again. In a job of several ranks a failed save leaves the
+    directory its coordinator began, with the files other ranks wrote into it, and that was cleared only after
+    the next commit: if those files left too little room, no later save could commit. Checkpoints beyond
+    ``keep_in_memory`` were likewise evicted only after a commit: a job killed between a commit and its
+    eviction, or reopened with a lower ``keep_in_memory`` (as the space error advises), could not save again.
+    Saves of this process that began before ``started`` have ended (saves run in order); those of ``exclude``
+    and of other threads still writing are kept. Saves sent to DCP's checkpoint process (PROCESS executor) ran
     there, and that process, a child of this one that lives on, began their directories: those begun before
     ``started`` are discarded too once it has answered every save sent to it (it runs one at a time)."""
     try:
-        store.check_space(needed, rank)
+        store.check_space(needed, rank, files)
     except InsufficientSpaceError:
         layout = store.layout
         children = SaveOrder.of(str(layout.job_dir)).sent_saves_answered()
@@ -572,7 +579,7 @@ def check_space_reclaiming(
         )
         if not (store.evict_beyond_keep() or cleared):
             raise
-        store.check_space(needed, rank)
+        store.check_space(needed, rank, files)
 
 
 def _give_back(layout: StoreLayout, seq: int, slot: str | None) -> None:

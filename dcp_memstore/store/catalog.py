@@ -101,12 +101,12 @@ def begin(layout: StoreLayout, checkpoint_id: str) -> Path:
     """Create the checkpoint's directory, already holding its INPROGRESS marker (coordinator only)."""
     final = layout.checkpoint_dir(checkpoint_id)
     tmp = layout.checkpoints_dir / new_dir_name(liveness.own_token(layout), uuid.uuid4().hex)
-    tmp.mkdir(parents=True)
-    write_record(tmp / INPROGRESS, _owner(layout))
     try:
+        tmp.mkdir(parents=True)
+        write_record(tmp / INPROGRESS, _owner(layout))
         os.rename(tmp, final)
     except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # also where the marker did not fit (a full tmpfs)
         raise
     return final
 

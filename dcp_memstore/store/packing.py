@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dcp_memstore.store.pool import round_up
-
 ITEM_ALIGN = 64  # cache line; also a multiple of every dtype's size, so views need no copy
 
 
@@ -32,8 +30,3 @@ def pack(sizes: list[int], bins: int, align: int = ITEM_ALIGN) -> tuple[list[Pla
     used = [b for b in range(bins) if fill[b] > 0]
     renumber = {b: n for n, b in enumerate(used)}
     return [Placement(renumber[p.bin], p.offset) for p in placed], [fill[b] for b in used]
-
-
-def packed_bytes(sizes: list[int], bins: int) -> int:
-    """The memory the shard files holding items of ``sizes`` bytes take: items aligned, files whole pages."""
-    return sum(round_up(size) for size in pack(sizes, bins)[1])

@@ -42,8 +42,18 @@ class FilePool:
         except FileNotFoundError:
             return []
 
-    def reusable_bytes(self) -> int:
-        return sum(st.st_size for e in self._entries() if (st := _stat(e)) is not None)
+    def reusable_bytes(self, sizes: list[int] | None = None) -> int:
+        """The bytes of a save's shard files of ``sizes`` that this pool provides without new memory: each
+        file a pooled file serves counts its own size (the pooled file's slack, up to a quarter more,
+        serves nothing else), and the pooled files that serve none count whole (``Claims`` deletes them
+        before it allocates a file). With ``sizes`` None (a save whose files are not known yet), every
+        pooled file's size."""
+        if sizes is None:
+            return sum(st.st_size for e in self._entries() if (st := _stat(e)) is not None)
+        rounded = [round_up(s) for s in sizes]
+        chosen, spare = self._match(rounded)
+        served = sum(s for s, e in zip(rounded, chosen, strict=True) if e is not None)
+        return served + sum(st.st_size for e in spare if (st := _stat(e)) is not None)
 
     def claims(self, sizes: list[int]) -> Claims:
         """The claims of one save's files of ``sizes`` bytes on this pool, decided together before any file
@@ -106,8 +116,9 @@ class Claims:
     which ``unmatched`` tells a reservation what to allocate ahead). A file that none fits is allocated new,
     and the pooled files that serve no file of the save are deleted first, so their memory serves it; the
     files paired with the save's other files stay for them (a save whose one file grew still reuses the
-    others). The space check counts every pooled file as reusable: each is either reused or deleted before
-    a new file is allocated. ``claim`` may be called for several files at once, from several threads."""
+    others). The space check counts a reused pooled file as the size it serves and every other pooled file
+    whole (``FilePool.reusable_bytes``): each is either reused or deleted before a new file is allocated.
+    ``claim`` may be called for several files at once, from several threads."""
 
     def __init__(self, pool: FilePool, sizes: list[int]) -> None:
         self.pool = pool

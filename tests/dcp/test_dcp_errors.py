@@ -571,6 +571,32 @@ def test_space_check_counts_alignment_and_manifest_not_just_tensor_bytes(tmpfs_s
     assert_tree_equal(many, load_fresh(tmpfs_store, many, "many"))
 
 
+@pytest.mark.parametrize("leave", [0, 256 << 10], ids=["tmpfs-full", "a-serialised-value-to-write"])
+def test_a_pooled_file_counts_as_room_for_the_file_it_serves_not_its_whole_size(small_tmpfs, leave):
+    """A save reuses a pooled file up to a quarter larger than its file whole, so that slack is no room
+    for anything else. Counted as room, a save passed the space check and then failed with a bare ENOSPC
+    (no bytes needed or free) writing its serialised values, or its in-progress marker on a full tmpfs,
+    which also left that marker's directory behind."""
+    store = MemStore(root=small_tmpfs / "store", job_id="job", keep_in_memory=1, io_threads=1)
+    for cid in ("a", "b"):  # a's 3 MiB file goes to the pool
+        save(store, {"w": torch.ones(3 * MiB // 4)}, cid)
+    filler = _fill(store.root, leave=leave)
+    sd = {"w": torch.arange(5 * MiB // 2 // 4, dtype=torch.float32)}  # 2.5 MiB: served by the pooled file
+    if leave:
+        sd["blob"] = b"x" * (600 << 10)  # 600 KiB: more than the room left beside the reused file
+    before = store_tree(store)
+    with pytest.raises(CheckpointException) as ei:
+        save(store, sd, "c")
+    assert "InsufficientSpaceError" in str(ei.value) and "bytes needed" in str(ei.value)
+    assert store_tree(store) == before
+    filler.unlink()
+    b = {"w": torch.ones(3 * MiB // 4)}
+    assert_tree_equal(load_fresh(store, b, "b"), b)
+    save(store, sd, "c")  # with room, the same save goes through
+    assert_tree_equal(sd, load_fresh(store, sd, "c"))
+    store.close()
+
+
 def test_async_save_space_check_counts_whole_pages_of_the_staged_files(tmpfs_store):
     """Staging allocates each shard file in whole pages and writes its slot's owner record: an async save
     whose tensor bytes fit but whose files do not must fail at its space check, naming the store root and
