@@ -12,6 +12,7 @@ import io
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -57,12 +58,16 @@ class RankWrite:
         slot: str | None,
         plan: SavePlan,
         planner: SavePlanner,
+        check_space: Callable[[int, int, list[int]], None],
         reserve_ahead: bool = True,
     ) -> None:
-        """``reserve_ahead``: a save that copies its tensors (not staged) has the next save's files allocated
-        in the background once it is committed; not where nothing would claim them (DCP's checkpoint
-        process)."""
+        """``check_space(needed, rank, files)``: the writer's space check (which may first reclaim failed
+        saves' files and evict beyond ``keep_in_memory``), of ``needed`` bytes, shard files of ``files``
+        bytes among them. ``reserve_ahead``: a save that copies its tensors (not staged) has the next save's
+        files allocated in the background once it is committed; not where nothing would claim them (DCP's
+        checkpoint process)."""
         self.store = store
+        self.check_space = check_space
         self.rank = rank
         self.checkpoint_id = checkpoint_id
         self.reserve_ahead = reserve_ahead
@@ -110,11 +115,12 @@ class RankWrite:
             names[key] = shard_name(self.rank, next_index)
             next_index += 1
         copy_files = self._place_copies(to_copy, next_index)
-        # Checked again here because with plan caching DCP hands prepare_local_plan an empty plan.
+        # Checked again here because with plan caching DCP hands prepare_local_plan an empty plan, and the
+        # plan's sizes are whole tensors where the rank writes a shard of them.
         needed = sum(round_up(size) for _, size, _ in copy_files)
         needed += round_up(sum(len(b) + (-len(b) % ITEM_ALIGN) for _, b in objects)) if objects else 0
         needed += manifest_bytes_estimate(it.index.fqn for it in self.plan.items)
-        self.store.check_space(needed, self.rank, [size for _, size, _ in copy_files])
+        self.check_space(needed, self.rank, [size for _, size, _ in copy_files])
         stager = Stager.of(self.store) if self.reserve_ahead and self.slot is None and copy_files else None
 
         jobs = [

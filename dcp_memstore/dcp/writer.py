@@ -81,8 +81,10 @@ def _releases_slot_on_error(method: F) -> F:
 
 
 def _nbytes(item: WriteItem) -> int:
+    """The bytes this rank writes of ``item``: its chunk of the tensor (a shard of a DTensor or
+    ShardedTensor), not the whole tensor."""
     td = item.tensor_data
-    return td.size.numel() * td.properties.dtype.itemsize if td else 0
+    return math.prod(td.chunk.sizes) * td.properties.dtype.itemsize if td else 0
 
 
 class MemoryStorageWriter(StorageWriter, AsyncStager):
@@ -446,7 +448,16 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         catalog.drop_copies(self.store.layout, self.checkpoint_id)  # of an older save under this id
         slot = self._current[1] if self._current else None
         results = RankWrite(
-            self.store, self.rank, self.checkpoint_id, slot, plan, planner, reserve_ahead=self._reserve_ahead
+            self.store,
+            self.rank,
+            self.checkpoint_id,
+            slot,
+            plan,
+            planner,
+            lambda needed, rank, files: check_space_reclaiming(
+                self.store, needed, rank, self._save_started, self, files
+            ),
+            reserve_ahead=self._reserve_ahead,
         ).run()
         self._current = None
         fut: Future[list[WriteResult]] = Future()

@@ -294,3 +294,35 @@ def test_the_space_check_never_reclaims_a_save_that_dcps_checkpoint_process_is_w
         assert r["x"] == "ok" and r["loaded"] == "ok", (rank, r)
         assert "not enough space" in r["y"], (rank, r)
         assert r["listed"] == ["w", "x"], (rank, r)
+
+
+def dtensor_saves_on_a_tmpfs_sized_for_its_shards(rank: int, world: int, root: str) -> dict:
+    """Four saves of a 3.5 MiB DTensor sharded over the ranks (1.75 MiB each) on the 8 MiB tmpfs with
+    ``keep_in_memory=1``: the committed checkpoint and the next save fit (7 MiB), but not if each rank
+    counted the whole tensor (7 MiB a save)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    store = MemStore(root, "job", keep_in_memory=1, io_threads=1)
+    mesh = init_device_mesh("cpu", (world,))
+    n = (7 << 20) // 2 // 4 // world
+    saved = []
+    for i in range(4):
+        local = torch.full((n,), float(10 * i + rank))
+        sd, cid = {"w": DTensor.from_local(local, mesh, [Shard(0)])}, f"s{i}"
+        writer = MemoryStorageWriter(store)
+        saved.append(outcome(lambda: dcp.save(sd, checkpoint_id=cid, storage_writer=writer)))  # noqa: B023
+    out = {"w": DTensor.from_local(torch.zeros(n), mesh, [Shard(0)])}
+    loaded = outcome(lambda: dcp.load(out, checkpoint_id="s3", storage_reader=MemoryStorageReader(store)))
+    return {
+        "saved": saved,
+        "loaded": loaded,
+        "exact": torch.equal(out["w"].to_local(), local),
+        "listed": store.list_checkpoints(),
+    }
+
+
+def test_a_rank_asks_room_for_its_shard_of_a_dtensor_not_the_whole_tensor(mp, small_tmpfs) -> None:
+    for rank, r in enumerate(mp.run(dtensor_saves_on_a_tmpfs_sized_for_its_shards, 2, str(small_tmpfs))):
+        assert r["saved"] == ["ok"] * 4 and r["loaded"] == "ok" and r["exact"], (rank, r)
+        assert r["listed"] == ["s3"], (rank, r)
