@@ -71,6 +71,11 @@ class Ticket:
             return True
         return self.executor_file is not None and not self._in_executor()
 
+    def over(self) -> bool:
+        """Whether the save is over where it runs: here (``finished``), or in DCP's checkpoint process for a
+        ``sent`` save (``answered``)."""
+        return self.answered() if self.sent else self.finished()
+
     def slot_left(self) -> bool:
         """Whether the ticket's staging slot is still on disk (not yet written into a checkpoint)."""
         return self.slot is not None and os.path.isdir(self.slot)

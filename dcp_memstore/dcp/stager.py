@@ -268,14 +268,14 @@ class Stager:
             log.info("could not start allocating the next save's files ahead of time: %s", e)
 
     def _wait_for_room(self, api: SaveApi) -> None:
-        """Block until fewer than max_in_flight of this job's slots (this process) are still being written."""
+        """Block until fewer than max_in_flight of this job's saves staged in this process are in flight."""
         limit = self.store.max_in_flight
         active = wait_while(
             lambda: a if len(a := self._active_slots()) >= limit else [], self.store.stage_timeout_s
         )
         if active:
             raise StagingTimeoutError(
-                f"async save waited {self.store.stage_timeout_s:.0f}s for earlier saves to finish writing "
+                f"async save waited {self.store.stage_timeout_s:.0f}s for earlier saves to commit "
                 f"(still in flight: {[Path(t.slot).name for t in active]}); {timeout_advice(active, api)}"
             )
 
@@ -285,16 +285,17 @@ class Stager:
         self._active_slots()
 
     def _active_slots(self) -> list[Ticket]:
+        """The tickets of saves in flight: staged and not written yet, or written and not over where they
+        run (committed, evicted the checkpoint beyond ``keep_in_memory``, or failed). A save counted only
+        until it was written let the next one stage while its own files and the checkpoint it evicts still
+        held their memory: S x (keep_in_memory + max_in_flight + 1) at once."""
         for slot in self.order.take_abandoned():
             recycle(self.store.layout, Path(slot))
         active = []
         for t in self.order.tickets():
-            if not t.slot_left():
+            if t.slot_left() and t.finished():  # its save ended without writing it: an error elsewhere
+                recycle(self.store.layout, Path(t.slot))
                 continue
-            if t.finished():
-                recycle(
-                    self.store.layout, Path(t.slot)
-                )  # its save ended without writing it: an error elsewhere
-                continue
-            active.append(t)
+            if t.slot_left() or (t.thread is not None and not t.over()):
+                active.append(t)
         return active

@@ -252,6 +252,27 @@ def test_back_to_back_async_saves_all_commit_and_staging_is_bounded(shm_dir):
     assert os.listdir(store.layout.staging_dir) == []
 
 
+def test_back_to_back_async_saves_fit_in_keep_plus_in_flight_checkpoints(small_tmpfs, monkeypatch):
+    """A node is sized for keep_in_memory + max_in_flight checkpoints (docs/operations.md): the next async
+    save stages once the one in flight is over (committed, and the checkpoint beyond keep_in_memory
+    evicted). It staged as soon as that save had written its files, so a third checkpoint's memory was
+    needed while the save committed, and back-to-back saves failed for want of space. The commit is slowed
+    down (fault injection: how long a commit takes on a busy node is not up to a test)."""
+    commit = catalog.commit
+    monkeypatch.setattr(catalog, "commit", lambda *a, **k: (time.sleep(0.3), commit(*a, **k))[1])
+    store = MemStore(root=small_tmpfs / "s", job_id="job", keep_in_memory=1, max_in_flight=1, io_threads=1)
+    sd = {"w": torch.zeros((3 << 20) // 4)}  # 3 MiB: two checkpoints fit in the 8 MiB tmpfs, three do not
+    futures = []
+    for i in range(4):
+        sd["w"].fill_(i)
+        futures.append(async_save(store, sd, f"s{i}"))
+    for f in futures:
+        f.result()
+    assert store.list_checkpoints() == ["s3"]
+    assert_tree_equal(snapshot(sd), load_fresh(store, sd, "s3"))
+    store.close()
+
+
 def test_store_holds_at_most_keep_plus_in_flight_while_saving(shm_dir):
     store = MemStore(root=shm_dir, job_id="job", keep_in_memory=2, max_in_flight=2, io_threads=2)
     lay = store.layout
