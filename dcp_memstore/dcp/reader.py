@@ -52,6 +52,7 @@ from dcp_memstore.store.ids import is_valid_name, validate_name
 from dcp_memstore.store.layout import MANIFEST
 from dcp_memstore.store.manifest import Manifest, ShardLocation, dtype_from_name, dtype_name, item_name
 from dcp_memstore.store.mapping import MAPPINGS, MappedFile
+from dcp_memstore.store.space import FULL_ERRNOS
 from dcp_memstore.store.threads import run_parallel
 
 if TYPE_CHECKING:
@@ -167,10 +168,21 @@ class MemoryStorageReader(StorageReader):
         ``read_data`` ends, else (the load failed in between: DCP says nothing) when DCP drops the load's
         metadata (``_tie_hold``) or this reader reads the metadata of its next load; eviction drops it if
         this process dies. A copy evicted since ``reset`` is looked up again: in another tier, or
-        FileNotFoundError naming the committed checkpoints."""
+        FileNotFoundError naming the committed checkpoints. On a tmpfs too full for the hold's record the
+        load goes on without it, with a warning: a job must be able to resume from a full tmpfs."""
         if src.local_dir is None:
             return src  # nothing of it on this node to evict
-        name = catalog.process_hold(self.store.layout, src.checkpoint_id, "load")
+        try:
+            name = catalog.process_hold(self.store.layout, src.checkpoint_id, "load")
+        except OSError as e:
+            if e.errno not in FULL_ERRNOS:
+                raise
+            log.warning(
+                "no room in %s for the record that holds checkpoint %r while it is loaded (%s); loading it "
+                "without: a save of this job that commits meanwhile could evict it",
+                self.store.layout.root, src.checkpoint_id, e,
+            )  # fmt: skip
+            return src
         if name is None:
             return self._held(self.store.open_checkpoint(src.checkpoint_id))
         self._hold = weakref.finalize(self, catalog.release, self.store.layout, src.checkpoint_id, name)

@@ -18,6 +18,7 @@ import psutil
 from dcp_memstore.errors import InsufficientSpaceError
 
 MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
+FULL_ERRNOS = frozenset({errno.ENOSPC, errno.ENOMEM, errno.EDQUOT})  # a full file system, or memory
 
 
 def filesystem_type(path: Path) -> str:
@@ -127,7 +128,7 @@ def space_errors(path: Path, needed: int, detail: str = "") -> Iterator[None]:
     except InsufficientSpaceError:
         raise
     except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EDQUOT):
+        if e.errno not in FULL_ERRNOS:
             raise
         raise InsufficientSpaceError(str(path), needed, free_bytes(path), detail) from e
 

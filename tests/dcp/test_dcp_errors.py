@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import pickle
 import re
@@ -598,6 +599,18 @@ def test_a_pooled_file_counts_as_room_for_the_file_it_serves_not_its_whole_size(
     save(store, sd, "c")  # with room, the same save goes through
     assert_tree_equal(sd, load_fresh(store, sd, "c"))
     store.close()
+
+
+def test_a_checkpoint_loads_from_a_full_tmpfs(tmpfs_store, caplog):
+    """A job must resume from a tmpfs that something filled: the load's retention hold, a record in the
+    tmpfs, does not fit, so the load goes on without it and says so (it failed with a bare ENOSPC)."""
+    sd = _state(4)
+    save(tmpfs_store, sd, "a")
+    filler = _fill(tmpfs_store.root, leave=0)
+    with caplog.at_level(logging.WARNING, logger="dcp_memstore"):
+        assert_tree_equal(load_fresh(tmpfs_store, sd, "a"), sd)
+    assert "no room in" in caplog.text and "loading it without" in caplog.text
+    filler.unlink()
 
 
 def test_async_save_space_check_counts_whole_pages_of_the_staged_files(tmpfs_store):
