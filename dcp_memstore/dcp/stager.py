@@ -5,7 +5,8 @@ mapping on a side stream, CPU tensors by memcpy in parallel threads), and the st
 views those files. The background save then only checksums them and renames the files into the
 checkpoint: no second copy. Training resumes as soon as ``stage`` returns.
 
-At most ``max_in_flight`` slots exist per job and process; ``stage`` waits for the oldest to be written.
+At most ``max_in_flight`` saves per job and process are in flight; ``stage`` waits for the oldest to be
+over (``Stager._active_slots``: committed where DCP's executor runs it, else written).
 While the job holds fewer checkpoints than it keeps, each save also has the next one's files allocated
 in the background (``store/reserve.py``), so that only the first save pays for new tmpfs pages.
 """
@@ -276,7 +277,7 @@ class Stager:
         if active:
             raise StagingTimeoutError(
                 f"async save waited {self.store.stage_timeout_s:.0f}s for earlier saves to commit "
-                f"(still in flight: {[Path(t.slot).name for t in active]}); {timeout_advice(active, api)}"
+                f"(still in flight: {[_slot_name(t) for t in active]}); {timeout_advice(active, api)}"
             )
 
     def reclaim_slots(self) -> None:
@@ -285,10 +286,12 @@ class Stager:
         self._active_slots()
 
     def _active_slots(self) -> list[Ticket]:
-        """The tickets of saves in flight: staged and not written yet, or written and not over where they
-        run (committed, evicted the checkpoint beyond ``keep_in_memory``, or failed). A save counted only
-        until it was written let the next one stage while its own files and the checkpoint it evicts still
-        held their memory: S x (keep_in_memory + max_in_flight + 1) at once."""
+        """The tickets of saves in flight: staged and not written yet, or, run by DCP's executor (THREAD or
+        PROCESS), written and not over there (committed, the checkpoint beyond ``keep_in_memory`` evicted,
+        or failed). A save counted only until it was written let the next one stage while its own files
+        and the checkpoint it evicts still held their memory: S x (keep_in_memory + max_in_flight + 1) at
+        once. Saves run by other threads count until written: such a thread may live on after its save
+        (a pool of the caller's), and Megatron's saves commit on the trainer's thread, at finalize."""
         for slot in self.order.take_abandoned():
             recycle(self.store.layout, Path(slot))
         active = []
@@ -296,6 +299,11 @@ class Stager:
             if t.slot_left() and t.finished():  # its save ended without writing it: an error elsewhere
                 recycle(self.store.layout, Path(t.slot))
                 continue
-            if t.slot_left() or (t.thread is not None and not t.over()):
+            if t.slot_left() or (t.executor_file is not None and not t.over()):
                 active.append(t)
         return active
+
+
+def _slot_name(ticket: Ticket) -> str:
+    """The name of ``ticket``'s staging slot, for messages; a ticket may have none (``hold_place``)."""
+    return Path(ticket.slot).name if ticket.slot is not None else f"save {ticket.seq} (no staging slot)"

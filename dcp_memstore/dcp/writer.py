@@ -181,7 +181,9 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             clock = time.perf_counter()
             staged, ticket, nbytes = Stager.of(self.store).stage(
                 state_dict,
-                lambda needed, rank, files: check_space_reclaiming(self.store, needed, rank, started, files),
+                lambda needed, rank, files: check_space_reclaiming(
+                    self.store, needed, rank, started, files=files
+                ),
                 self.save_api,
             )
         except Exception as e:

@@ -601,6 +601,29 @@ def test_a_pooled_file_counts_as_room_for_the_file_it_serves_not_its_whole_size(
     store.close()
 
 
+@pytest.mark.parametrize("mode", ["save", "async_save"])
+def test_a_save_that_only_fits_once_the_checkpoint_beyond_keep_is_evicted_gets_the_room(small_tmpfs, mode):
+    """The check that counts pooled files as the size they serve is the one that reclaims (evicts beyond a
+    lowered keep_in_memory): counting their slack as room, staging passed its check, evicted nothing and
+    failed allocating a file."""
+    root = small_tmpfs / "store"
+    with MemStore(root=root, job_id="job", keep_in_memory=2, io_threads=2) as store:
+        save(store, {"w": torch.ones(5 * MiB // 4 // 4)}, "a")  # 1.25 MiB: pooled once "a" is evicted
+        for cid in ("b", "c"):
+            save(store, {"w": torch.ones(MiB // 2 // 4)}, cid)
+    store = MemStore(root=root, job_id="job", keep_in_memory=1, io_threads=2)
+    filler = _fill(store.root, leave=5 * MiB // 8)
+    sd = {"x": torch.full((MiB // 4,), 1.0), "y": torch.full((3 * MiB // 4 // 4,), 2.0)}
+    if mode == "save":
+        save(store, sd, "d")
+    else:
+        async_save(store, sd, "d").result()
+    assert store.list_checkpoints() == ["d"]
+    assert_tree_equal(sd, load_fresh(store, sd, "d"))
+    store.close()
+    filler.unlink()
+
+
 def test_a_checkpoint_loads_from_a_full_tmpfs(tmpfs_store, caplog):
     """A job must resume from a tmpfs that something filled: the load's retention hold, a record in the
     tmpfs, does not fit, so the load goes on without it and says so (it failed with a bare ENOSPC)."""

@@ -3,6 +3,7 @@ max_in_flight, loads that run while saves evict or a delete is asked for."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import gc
 import logging
@@ -23,7 +24,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
 import dcp_memstore.dcp.reader as reader_module
-from dcp_memstore import CheckpointInUseError, MemoryStorageReader, MemStore
+from dcp_memstore import CheckpointInUseError, MemoryStorageReader, MemoryStorageWriter, MemStore
 from dcp_memstore.dcp.stager import Stager
 from dcp_memstore.store import catalog
 from dcp_memstore.store.layout import SHARD_SUFFIX
@@ -271,6 +272,24 @@ def test_back_to_back_async_saves_fit_in_keep_plus_in_flight_checkpoints(small_t
     assert store.list_checkpoints() == ["s3"]
     assert_tree_equal(snapshot(sd), load_fresh(store, sd, "s3"))
     store.close()
+
+
+def test_saves_staged_by_hand_and_run_by_a_long_lived_thread_go_on(shm_dir):
+    """The AsyncStager protocol driven by the caller: ``writer.stage`` on the training thread, ``dcp.save``
+    of the staged state dict in a pool thread that lives on after it (as Lightning's AsyncCheckpointIO
+    does). Such a save counts as in flight until written, not until its thread ends."""
+    store = MemStore(root=shm_dir, job_id="job", keep_in_memory=2, max_in_flight=1, stage_timeout_s=5)
+    sd = _state(0)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        for i in range(3):
+            sd["w"].add_(1.0)
+            writer = MemoryStorageWriter(store)
+            staged = writer.stage(sd)
+            expected = snapshot(sd)
+            cid = f"s{i}"
+            pool.submit(dcp.save, staged, checkpoint_id=cid, storage_writer=writer, no_dist=True).result()
+    assert store.list_checkpoints() == ["s1", "s2"]
+    assert_tree_equal(expected, load_fresh(store, expected, "s2"))
 
 
 def test_store_holds_at_most_keep_plus_in_flight_while_saving(shm_dir):
