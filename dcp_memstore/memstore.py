@@ -303,6 +303,9 @@ class MemStore(PersistingStore, ReplicatingStore):
         self._control_transport: TcpTransport | None = None
         self._peers: Peers | None = None  # what a copy of this store in DCP's checkpoint process knows
         self._single_node = False
+        # the newest commit time latest_checkpoint saw in any tier (persisted, other nodes): the next
+        # commit comes after it, also where this node's tmpfs holds none of them (catalog.next_commit_time)
+        self.newest_commit_seen = 0.0
         self._is_copy = False  # a copy in DCP's checkpoint process: never starts replication services
         self.replication()
         self._on_event = on_event
@@ -354,6 +357,7 @@ class MemStore(PersistingStore, ReplicatingStore):
         known = {cid: (at, seq) for cid, (at, seq, _) in in_memory.items()}
         for v in views:
             known.update({cid: (at, seq) for cid, at, seq in v[0] if cid not in known})
+        self.newest_commit_seen = max([self.newest_commit_seen, *(at for at, _ in known.values())])
         common = set.intersection(*({rec[0] for rec in v[0]} | set(in_memory) for v in views))
         newest = max(((*known[cid], cid) for cid in common), default=None)
         if service is not None:

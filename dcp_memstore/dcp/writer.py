@@ -491,7 +491,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                     write_atomic(directory / MANIFEST, encoded)
                 crash_point("before-commit", self.rank)
                 seq = catalog.next_seq(layout)
-                at = catalog.next_commit_time(layout)
+                at = catalog.next_commit_time(layout, self.store.newest_commit_seen)
                 record = CommitRecord(self.checkpoint_id, seq, at, manifest.nbytes)
                 # other nodes: prepared (invisible) first, committed only after this node commits
                 record = self.store.prepare_everywhere(record, encoded)

@@ -147,12 +147,14 @@ def next_seq(layout: StoreLayout) -> int:
     return max((r.seq for r in committed(layout)), default=0) + 1
 
 
-def next_commit_time(layout: StoreLayout) -> float:
-    """The commit time the next commit gets: now, but after the newest committed checkpoint's. Commit
-    times order checkpoints across tiers and stores (``latest_checkpoint``), so a wall clock stepped back
-    (NTP, a VM restored from a snapshot) must not make a new checkpoint look older than the ones before."""
-    newest = max((r.committed_at for r in committed(layout)), default=0.0)
-    return max(time.time(), newest + COMMIT_TIME_STEP_S)
+def next_commit_time(layout: StoreLayout, after: float = 0.0) -> float:
+    """The commit time the next commit gets: now, but after the newest committed checkpoint's and after
+    ``after`` (the newest the caller saw in other tiers). Commit times order checkpoints across tiers and
+    stores (``latest_checkpoint``), so a wall clock stepped back (NTP, a VM restored from a snapshot, a
+    node whose clock is behind the one that saved the persisted checkpoints) must not make a new
+    checkpoint look older than the ones before."""
+    newest = max((r.committed_at for r in committed(layout)), default=after)
+    return max(time.time(), max(newest, after) + COMMIT_TIME_STEP_S)
 
 
 def join(layout: StoreLayout, checkpoint_id: str) -> Path:

@@ -171,6 +171,26 @@ def test_empty_tmpfs_restores_newest_persisted_checkpoint(shm_dir, bucket_dir, t
         assert_tree_equal(sd, load(fresh, blank_like(sd), "new"))
 
 
+def test_a_job_resumed_from_its_bucket_by_a_node_whose_clock_is_behind_saves_newer_checkpoints(
+    shm_dir, bucket_dir, fresh_root, monkeypatch
+):
+    """Commit times order the checkpoints of every tier (latest_checkpoint): a job resumed on an empty
+    tmpfs from a checkpoint that a node with a clock 10 minutes ahead persisted commits its next ones
+    after it, or latest_checkpoint kept returning the persisted one. ``time.time`` is replaced (fault
+    injection: a test cannot set the machine's clock)."""
+    wall_clock = time.time
+    monkeypatch.setattr(time, "time", lambda: wall_clock() + 600)
+    with _pstore(shm_dir, bucket_dir, persist_every=1) as store:
+        save(store, _state(1), "step-1")
+        store.wait_persisted("step-1", timeout=60)
+    monkeypatch.setattr(time, "time", wall_clock)
+    with MemStore(root=fresh_root, job_id="job", persist_to=str(bucket_dir), persist_on_close=False) as fresh:
+        assert fresh.latest_checkpoint() == "step-1"
+        save(fresh, _state(2), "step-2")
+        assert fresh.latest_checkpoint() == "step-2"
+        assert_tree_equal(_state(2), load(fresh, blank_like(_state(2)), fresh.latest_checkpoint()))
+
+
 def _load_error_on_another_node(fresh_root: Path, bucket_dir: Path, sd: dict, cid: str) -> BaseException:
     """What a load of ``cid`` raises in a store with the same job and ``persist_to`` whose tmpfs does not
     have it (another node, or this one after a reboot): it reads the persisted copy."""
