@@ -492,6 +492,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                 crash_point("before-commit", self.rank)
                 seq = catalog.next_seq(layout)
                 at = catalog.next_commit_time(layout, self.store.newest_commit_seen)
+                self.store.newest_commit_seen = at  # a save deleted since does not lend its time to the next
                 record = CommitRecord(self.checkpoint_id, seq, at, manifest.nbytes)
                 # other nodes: prepared (invisible) first, committed only after this node commits
                 record = self.store.prepare_everywhere(record, encoded)
