@@ -189,6 +189,10 @@ def test_latest_is_the_newest_save_after_the_wall_clock_stepped_back(shm_dir, mo
     wall_clock = time.time
     monkeypatch.setattr(time, "time", lambda: wall_clock() - 600)
     save(store, _state(2), "step-2")
+    first = catalog.read_commit(store.layout, "step-2").committed_at
+    store.delete("step-2")  # saved again under its id: a save of its own, told apart by its commit time
+    save(store, _state(2), "step-2")
+    assert catalog.read_commit(store.layout, "step-2").committed_at > first
     assert store.list_checkpoints() == ["step-1", "step-2"]
     assert store.latest_checkpoint() == "step-2"
     assert_tree_equal(load_fresh(store, _state(2), store.latest_checkpoint()), _state(2))
