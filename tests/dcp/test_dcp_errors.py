@@ -559,17 +559,22 @@ def _fill(root: Path, leave: int) -> Path:
     return filler
 
 
+def _refused_for_want_of_space(store: MemStore, sd: dict, cid: str) -> None:
+    """``dcp.save`` of ``sd`` as ``cid`` fails with InsufficientSpaceError and leaves nothing in the store."""
+    before = store_tree(store)
+    with pytest.raises(CheckpointException) as ei:
+        save(store, sd, cid)
+    assert "InsufficientSpaceError" in str(ei.value) and "bytes needed" in str(ei.value)
+    assert store_tree(store) == before
+
+
 def test_space_check_counts_alignment_and_manifest_not_just_tensor_bytes(tmpfs_store):
     """2000 one-element tensors hold 8 KB of values but take 128 KB of aligned slots and about 350 KB of
     manifest: a save whose raw bytes fit but whose files do not must fail before it writes anything."""
     many = {f"t{i}": torch.full((1,), float(i)) for i in range(2000)} | {"w": torch.ones(256 << 10)}
     raw = 2000 * 4 + MiB
     filler = _fill(tmpfs_store.root, leave=raw + 64 * 1024)
-    before = store_tree(tmpfs_store)
-    with pytest.raises(CheckpointException) as ei:
-        save(tmpfs_store, many, "many")
-    assert "InsufficientSpaceError" in str(ei.value) and "bytes needed" in str(ei.value)
-    assert store_tree(tmpfs_store) == before
+    _refused_for_want_of_space(tmpfs_store, many, "many")
     filler.unlink()
     save(tmpfs_store, many, "many")  # with room, the same save goes through
     assert_tree_equal(many, load_fresh(tmpfs_store, many, "many"))
@@ -588,11 +593,7 @@ def test_a_pooled_file_counts_as_room_for_the_file_it_serves_not_its_whole_size(
     sd = {"w": torch.arange(5 * MiB // 2 // 4, dtype=torch.float32)}  # 2.5 MiB: served by the pooled file
     if leave:
         sd["blob"] = b"x" * (600 << 10)  # 600 KiB: more than the room left beside the reused file
-    before = store_tree(store)
-    with pytest.raises(CheckpointException) as ei:
-        save(store, sd, "c")
-    assert "InsufficientSpaceError" in str(ei.value) and "bytes needed" in str(ei.value)
-    assert store_tree(store) == before
+    _refused_for_want_of_space(store, sd, "c")
     filler.unlink()
     b = {"w": torch.ones(3 * MiB // 4)}
     assert_tree_equal(load_fresh(store, b, "b"), b)
