@@ -9,6 +9,7 @@ the directory for a checkpoint, and we list only directories with COMMITTED.
 
 from __future__ import annotations
 
+import logging
 import pickle
 from collections.abc import Callable
 
@@ -24,10 +25,13 @@ from dcp_memstore.persist.target import (
     PARTS,
     STOCK_METADATA,
     PersistTarget,
+    describe,
     literal,
 )
 from dcp_memstore.store.catalog import CommitRecord
 from dcp_memstore.store.manifest import Manifest, ManifestItem, ShardLocation
+
+log = logging.getLogger(__name__)
 
 
 def write_part(target: PersistTarget, commit: CommitRecord, file: str, placed: list[PersistedItem]) -> None:
@@ -105,7 +109,10 @@ def remote_commit(target: PersistTarget, checkpoint_id: str) -> CommitRecord | N
 
 
 def remote_committed(target: PersistTarget) -> list[CommitRecord]:
-    """Every fully persisted checkpoint under the target, oldest commit first."""
+    """Every fully persisted checkpoint under the target, oldest commit first. A damaged commit marker is
+    passed over with a warning naming it (the other checkpoints still count); one that cannot be read
+    now (the server failed that request) fails the whole listing, naming it, rather than leave that
+    checkpoint out of it; one deleted since the listing is left out."""
     fs = target.fs
     target.forget_listings()
     try:
@@ -115,10 +122,20 @@ def remote_committed(target: PersistTarget) -> list[CommitRecord]:
     if not markers:
         return []
     out = []
-    for path, body in fs.cat([literal(m) for m in markers], on_error="omit").items():
-        out.append(
-            CommitRecord.from_record(path[len(target.root) + 1 :].split("/", 1)[0], msgpack.unpackb(body))
-        )
+    for path, body in fs.cat([literal(m) for m in markers], on_error="return").items():
+        cid = path[len(target.root) + 1 :].split("/", 1)[0]
+        if isinstance(body, FileNotFoundError):
+            continue
+        if isinstance(body, BaseException):
+            raise OSError(f"cannot read {target.url_of(cid)}/{COMMITTED}: {describe(body)}") from body
+        try:
+            out.append(CommitRecord.from_record(cid, msgpack.unpackb(body)))
+        except Exception as e:  # noqa: BLE001 - any damage: that checkpoint is not listed
+            log.warning(
+                "persisted checkpoint %r is not listed: its commit marker %s/%s is damaged (%s: %s); "
+                "remove the checkpoint's directory there, or save it again under another id",
+                cid, target.url_of(cid), COMMITTED, type(e).__name__, e,
+            )  # fmt: skip
     return sorted(out, key=lambda r: (r.committed_at, r.seq))
 
 

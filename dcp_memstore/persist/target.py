@@ -199,8 +199,15 @@ class PersistTarget:
         self.fs.rm([literal(key) for key in keys])  # each a pattern of itself alone; deleted in batches
 
     def forget_listings(self) -> None:
-        """Drop the file system's cached directory listings, so the next listing asks the server."""
+        """Drop the file system's cached directory listings of the root, its parents and everything below
+        it, so the next listing asks the server. s3fs's ``invalidate_cache`` drops a path and its parents
+        only: a checkpoint's directory listed while it uploaded stayed listed without its commit marker
+        for the life of the process, and ``latest_checkpoint`` never saw it published."""
         self.fs.invalidate_cache(self.root)
+        cache = getattr(self.fs, "dircache", None)
+        if cache is not None:
+            for key in [k for k in list(cache) if k.startswith(f"{self.root}/")]:
+                cache.pop(key, None)
 
     def check_writable(self, timeout_s: float = PROBE_TIMEOUT_S) -> None:
         """Write (and remove) a small object under the root, so that a target no upload can ever reach (a

@@ -191,6 +191,45 @@ def test_a_job_resumed_from_its_bucket_by_a_node_whose_clock_is_behind_saves_new
         assert_tree_equal(_state(2), load(fresh, blank_like(_state(2)), fresh.latest_checkpoint()))
 
 
+def test_a_damaged_persisted_commit_marker_hides_only_its_checkpoint(shm_dir, bucket_dir, fresh_root, caplog):
+    """One damaged commit marker in the bucket made the whole listing fail: a fresh node resumed from
+    nothing. Now that checkpoint alone is passed over, with a warning naming the marker."""
+    with _pstore(shm_dir, bucket_dir, persist_every=1) as store:
+        for i in (1, 2):
+            save(store, _state(i), f"step-{i}")
+            store.wait_persisted(f"step-{i}", timeout=60)
+    (bucket_dir / "step-2" / COMMITTED).write_bytes(b"\xc1 not msgpack")
+    with MemStore(root=fresh_root, job_id="job", persist_to=str(bucket_dir)) as fresh:
+        assert fresh.latest_checkpoint() == "step-1"
+        assert_tree_equal(_state(1), load(fresh, blank_like(_state(1)), "step-1"))
+    assert f"its commit marker {bucket_dir}/step-2/{COMMITTED} is damaged" in caplog.text
+
+
+def test_a_persisted_commit_marker_that_cannot_be_read_now_is_named_not_left_out(
+    shm_dir, bucket_dir, fresh_root, monkeypatch, caplog
+):
+    """A marker whose read fails (the server refused that one request) was left out of the listing
+    without a word, and a fresh node resumed from an older checkpoint. Now the listing fails naming it,
+    which latest_checkpoint logs. The failure is injected (a real server cannot be made to fail one
+    request)."""
+    with _pstore(shm_dir, bucket_dir, persist_every=1) as store:
+        for i in (1, 2):
+            save(store, _state(i), f"step-{i}")
+            store.wait_persisted(f"step-{i}", timeout=60)
+    with MemStore(root=fresh_root, job_id="job", persist_to=str(bucket_dir)) as fresh:
+        read = type(fresh.target.fs).cat_file
+
+        def flaky(fs, path, *args, **kwargs):
+            if path.endswith(f"step-2/{COMMITTED}"):
+                raise ConnectionError("injected: connection reset")
+            return read(fs, path, *args, **kwargs)
+
+        monkeypatch.setattr(type(fresh.target.fs), "cat_file", flaky)
+        assert fresh.latest_checkpoint() is None  # nothing in memory; the bucket could not be listed
+        monkeypatch.undo()
+    assert f"cannot read {bucket_dir}/step-2/{COMMITTED}: ConnectionError" in caplog.text
+
+
 def _load_error_on_another_node(fresh_root: Path, bucket_dir: Path, sd: dict, cid: str) -> BaseException:
     """What a load of ``cid`` raises in a store with the same job and ``persist_to`` whose tmpfs does not
     have it (another node, or this one after a reboot): it reads the persisted copy."""

@@ -349,16 +349,20 @@ def test_kill_during_upload_or_publication_never_lists_a_partial_checkpoint(
     keys = _keys(server, url)
     assert f"c/{COMMITTED}" not in keys
     assert ("c/" + STOCK_METADATA in keys) == (point == "persist-publish")
-    with _store(Path(str(shm_dir) + "-other"), url, server) as other:
-        try:
-            assert other.latest_checkpoint() is None  # a partial upload is never listed
-        finally:
-            subprocess.run(["rm", "-rf", str(other.layout.root)], check=True)
-    # The job restarts: the owed upload resumes and completes.
-    with _store(shm_dir, url, server) as store:
-        assert store.status("c").persist in ("queued", "uploading", "persisted")
-        store.wait_persisted("c", timeout=120)
-        assert store.latest_checkpoint() == "c"
+    other = _store(Path(str(shm_dir) + "-other"), url, server)
+    try:
+        assert other.latest_checkpoint() is None  # a partial upload is never listed
+        # The job restarts: the owed upload resumes and completes.
+        with _store(shm_dir, url, server) as store:
+            assert store.status("c").persist in ("queued", "uploading", "persisted")
+            store.wait_persisted("c", timeout=120)
+            assert store.latest_checkpoint() == "c"
+        # a process that listed the partial upload (an evaluation job polling) sees it published: it does
+        # not keep the listing of the checkpoint's directory from then
+        assert other.latest_checkpoint() == "c"
+    finally:
+        other.close()
+        subprocess.run(["rm", "-rf", str(other.layout.root)], check=True)
     with _store(fresh_root, url, server) as fresh:
         assert_tree_equal(_state(5, mib=2), load(fresh, blank_like(_state(5, mib=2)), "c"))
 
