@@ -39,6 +39,7 @@ from dcp_memstore.store.manifest import Manifest
 
 log = logging.getLogger("dcp_memstore.memstore")
 _REMOTE_READS = BoundedCalls()  # looks at a commit marker under a deadline, one at a time per checkpoint
+PERSIST_LOOK_S = 5.0  # how long persist() waits for the target to say whether a checkpoint is there
 os.register_at_fork(after_in_child=_REMOTE_READS.forget)
 
 
@@ -47,13 +48,26 @@ class PersistingStore:
 
     def persist(self, checkpoint_id: str) -> None:
         """Upload committed checkpoint ``checkpoint_id`` in the background (returns at once; see
-        ``wait_persisted``). Also retries one whose upload failed. Call it on one rank per node or on all."""
+        ``wait_persisted``). Also retries one whose upload failed. Call it on one rank per node or on all.
+
+        It looks at the target for at most ``PERSIST_LOOK_S``: whether a copy recorded as persisted is
+        still there (a target that does not answer by then is taken to hold it), and whether a checkpoint
+        this node's memory does not hold is persisted (FileNotFoundError naming the checkpoints that exist
+        if it is not; the read's error, a TimeoutError if the target did not answer, if that cannot be
+        told)."""
         self.check_open()
         if self.target is None:
             raise ValueError(
                 "this MemStore has no persist_to; pass persist_to='s3://bucket/prefix' or a directory"
             )
         cid = validate_name(checkpoint_id)
+        with answer_by(time.monotonic() + PERSIST_LOOK_S):
+            self._persist(cid)
+        if self._persister is not None:
+            self._persister.wake()
+
+    def _persist(self, cid: str) -> None:
+        """``persist``'s work, its looks at the target under the deadline of ``answer_by``."""
         try:
             if catalog.read_commit(self.layout, cid) is not None:
                 progress = Progress(self.layout, cid, self.target.url)
@@ -65,11 +79,16 @@ class PersistingStore:
                 raise
         if catalog.read_commit(self.layout, cid) is None:  # unknown, or evicted or deleted meanwhile
             Progress(self.layout, cid, self.target.url).release()
-            if remote_commit(self.target, cid) is None:
+            published, unread = self._published(cid)
+            if isinstance(unread, TimeoutError):
+                raise TimeoutError(
+                    f"checkpoint {cid!r} is not in this node's memory, and {self.target.url} did not say "
+                    f"within {PERSIST_LOOK_S:g} s whether it is persisted there ({unread})"
+                ) from unread
+            if unread is not None:
+                raise unread
+            if not published:
                 self.require_checkpoint(cid)
-            return
-        if self._persister is not None:
-            self._persister.wake()
 
     def _unpublished(self, cid: str) -> bool:
         """Whether ``cid`` (in memory) is owed to this store's target and not published there yet: what

@@ -21,6 +21,7 @@ from dcp_memstore.answer_deadline import MIN_ANSWER_S
 from dcp_memstore.persist.export import remote_name
 from dcp_memstore.persist.publish import remote_commit
 from dcp_memstore.persist.target import COMMITTED, STOCK_METADATA, PersistTarget
+from dcp_memstore.persisting import PERSIST_LOOK_S
 from dcp_memstore.store import catalog
 from dcp_memstore.store.layout import MANIFEST
 from dcp_memstore.store.manifest import Manifest, ManifestItem
@@ -365,6 +366,29 @@ def test_kill_during_upload_or_publication_never_lists_a_partial_checkpoint(
         subprocess.run(["rm", "-rf", str(other.layout.root)], check=True)
     with _store(fresh_root, url, server) as fresh:
         assert_tree_equal(_state(5, mib=2), load(fresh, blank_like(_state(5, mib=2)), "c"))
+
+
+def test_persist_looks_at_a_frozen_server_for_a_few_seconds_only(shm_dir, s3_bucket):
+    """``persist`` runs on the training thread. Asked again for a persisted checkpoint (is the copy still
+    there?) or for one not in memory (is it persisted?), it waited for s3fs's timeouts and retries of a
+    server that does not answer (a minute here, more with botocore's defaults)."""
+    server, url = s3_bucket
+    with _store(shm_dir, url, server) as store:
+        save(store, _state(1), "c")
+        store.persist("c")
+        store.wait_persisted("c", timeout=60)
+        server.pause()
+        try:
+            start = time.monotonic()
+            store.persist("c")  # the target does not say it lost the copy: taken to hold it
+            assert time.monotonic() - start < PERSIST_LOOK_S + 3
+            start = time.monotonic()
+            with pytest.raises(TimeoutError, match="'other' is not in this node's memory, and s3://"):
+                store.persist("other")
+            assert time.monotonic() - start < PERSIST_LOOK_S + 3
+        finally:
+            server.resume()
+        assert store.status("c").persisted
 
 
 def test_a_restart_aborts_the_multipart_upload_of_a_process_killed_mid_file(shm_dir, s3_bucket):
