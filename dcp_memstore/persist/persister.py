@@ -376,6 +376,7 @@ class Persister:
             written = functools.partial(crash_point, "persist-write", rank)
             with writing_into(self.layout, self.target, rec.checkpoint_id):
                 self._require_current(rec)  # not deleted (its directory removed) while this waited
+                self._published_save(rec)  # not published meanwhile by another save: its files stay its own
                 placed = upload_file(
                     self.target, rec.checkpoint_id, local_dir, file, items, written, self._uploads
                 )
@@ -392,19 +393,25 @@ class Persister:
         return tuple(cid for cid in ids if is_owed(self.layout, cid, self.target.url))
 
     def _settle_if_published(self, rec: catalog.CommitRecord, progress: Progress) -> None:
-        """If ``rec``'s id is already published: the same save -> mark it persisted; another save under the
-        same id -> refuse (permanent): overwriting it would mix two checkpoints."""
+        """If ``rec``'s id is already published by this save, mark it persisted (``_published_save``)."""
+        if self._published_save(rec):
+            self._require_current(rec)
+            progress.mark_persisted()
+
+    def _published_save(self, rec: catalog.CommitRecord) -> bool:
+        """Whether ``rec``'s id is published in the target by this save. Published by another save under
+        the same id (another job sharing the prefix): ValueError, permanent, since uploading on would
+        overwrite that checkpoint's files. Asked before the upload and before each file: the other save
+        may publish while this one uploads (the files of one that publishes during a file's upload can
+        still be overwritten by that file)."""
         remote = remote_commit(self.target, rec.checkpoint_id)
-        if remote is None:
-            return
-        if remote != rec:
+        if remote is not None and remote != rec:
             raise ValueError(
                 f"{self.target.url_of(rec.checkpoint_id)} already holds another checkpoint "
                 "saved under the id "
                 f"{rec.checkpoint_id!r}; delete it there, or save under a new id"
             )
-        self._require_current(rec)
-        progress.mark_persisted()
+        return remote is not None
 
     def _current(self, rec: catalog.CommitRecord) -> bool:
         """``catalog.same_save``, with a corrupt commit marker counted as another save's."""

@@ -6,6 +6,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+import dcp_memstore.persist.persister as persister_module
 from dcp_memstore import MemStore, PersistError
 from dcp_memstore.persist.export import remote_name
 from dcp_memstore.persist.progress import Progress
@@ -228,6 +230,46 @@ def test_a_persisted_commit_marker_that_cannot_be_read_now_is_named_not_left_out
         assert fresh.latest_checkpoint() is None  # nothing in memory; the bucket could not be listed
         monkeypatch.undo()
     assert f"cannot read {bucket_dir}/step-2/{COMMITTED}: ConnectionError" in caplog.text
+
+
+def test_an_upload_under_an_id_another_job_publishes_meanwhile_stops_and_leaves_that_one_whole(
+    shm_dir, bucket_dir, fresh_root, monkeypatch
+):
+    """Two jobs on one prefix (each run should have its own) save the same id. Job B's upload is held up
+    after its first file while job A publishes its checkpoint; B's next file overwrote A's published one,
+    and stock DCP then loaded A's checkpoint with B's values. Now B stops before that file, failed for
+    good, and A's checkpoint stays whole. The hold-up is a stand-in for ``upload_file`` (fault
+    injection: the two uploads cannot be interleaved from outside)."""
+    first_done, go_on = threading.Event(), threading.Event()
+    upload = persister_module.upload_file
+
+    def held_up(target, cid, local_dir, *args, **kwargs):
+        placed = upload(target, cid, local_dir, *args, **kwargs)
+        if Path(local_dir).is_relative_to(shm_dir) and not first_done.is_set():  # B, its first file
+            first_done.set()
+            go_on.wait(60)
+        return placed
+
+    monkeypatch.setattr(persister_module, "upload_file", held_up)
+    a_sd, b_sd = _state(1), _state(2)
+    b_store = MemStore(root=shm_dir, job_id="b", io_threads=1, persist_to=str(bucket_dir), persist_every=1)
+    a_store = MemStore(root=fresh_root, job_id="a", io_threads=1, persist_to=str(bucket_dir))
+    try:
+        save(b_store, b_sd, "step-1")  # a shard file and a file of serialised values, one after the other
+        assert first_done.wait(60)
+        save(a_store, a_sd, "step-1")
+        a_store.persist("step-1")
+        a_store.wait_persisted("step-1", timeout=60)
+        go_on.set()
+        with pytest.raises(PersistError, match="already holds another checkpoint"):
+            b_store.wait_persisted("step-1", timeout=60)
+    finally:
+        go_on.set()
+        b_store.close()
+        a_store.close()
+    out = blank_like(a_sd)
+    dcp.load(out, storage_reader=dcp.FileSystemReader(str(bucket_dir / "step-1")), no_dist=True)
+    assert_tree_equal(out, a_sd)
 
 
 def _load_error_on_another_node(fresh_root: Path, bucket_dir: Path, sd: dict, cid: str) -> BaseException:
