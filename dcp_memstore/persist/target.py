@@ -13,7 +13,6 @@ import glob
 import logging
 import os
 import re
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -31,6 +30,7 @@ log = logging.getLogger(__name__)
 
 OUR_DIR = ".dcp_memstore"
 COMMITTED = f"{OUR_DIR}/COMMITTED"
+PROBE = f"{OUR_DIR}-probe"  # the object written (and removed) under the root when a store opens
 MANIFEST = f"{OUR_DIR}/manifest.msgpack"
 PARTS = f"{OUR_DIR}/parts"
 STOCK_METADATA = ".metadata"
@@ -226,11 +226,14 @@ class PersistTarget:
 
     def _probe(self) -> BaseException | None:
         """Write and remove an empty object under the root; the error it raised, if any. Removal is best
-        effort: uploads never delete, so a target that refuses deletes is still usable."""
+        effort: uploads never delete, so a target that refuses deletes is still usable. Every store writes
+        the same name (stores opening at once may remove each other's: the write is what is probed), so a
+        process killed between the two, or a target refusing deletes, leaves one such object, not one per
+        start."""
         try:
             if self.is_local:
                 self.fs.makedirs(self.root, exist_ok=True)
-            path = f"{self.root}/{OUR_DIR}-probe-{uuid.uuid4().hex}"
+            path = f"{self.root}/{PROBE}"
             self.fs.pipe_file(path, b"")
         except Exception as e:  # noqa: BLE001 - classified by the caller
             return e

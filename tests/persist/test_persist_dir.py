@@ -19,7 +19,7 @@ import dcp_memstore.persist.persister as persister_module
 from dcp_memstore import MemStore, PersistError
 from dcp_memstore.persist.export import remote_name
 from dcp_memstore.persist.progress import Progress
-from dcp_memstore.persist.target import COMMITTED, STOCK_METADATA
+from dcp_memstore.persist.target import COMMITTED, PROBE, STOCK_METADATA, PersistTarget
 from dcp_memstore.persist.target import MANIFEST as REMOTE_MANIFEST
 from dcp_memstore.store import catalog
 from dcp_memstore.store.layout import COMMITTED as LOCAL_COMMITTED
@@ -637,6 +637,26 @@ def test_a_timeout_of_years_waits_as_one_without_a_limit(shm_dir, bucket_dir):
         assert store.wait_persisted("a", timeout=1e10).persisted
         assert store.wait_replicated("a", timeout=1e10).persist == "persisted"
         store.close(timeout=1e10)
+
+
+def test_stores_killed_while_probing_persist_to_leave_one_probe_object_at_most(
+    shm_dir, bucket_dir, monkeypatch
+):
+    """Opening a store writes a probe object under persist_to and removes it. A process killed in between
+    left one object per start, for good; now every start writes the same name, so the next start removes
+    it. The kill is a removal that fails (fault injection: it cannot be timed from outside)."""
+    fs_type = type(PersistTarget(str(bucket_dir)).fs)
+
+    def killed(fs, path, *args, **kwargs):
+        raise OSError("stand-in: the process was killed before it removed the probe")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(fs_type, "rm_file", killed)
+        for _ in range(3):
+            _pstore(shm_dir, bucket_dir).close()
+    assert [p.name for p in bucket_dir.iterdir() if "probe" in p.name] == [PROBE]
+    _pstore(shm_dir, bucket_dir).close()
+    assert [p.name for p in bucket_dir.iterdir() if "probe" in p.name] == []
 
 
 @pytest.mark.parametrize(
