@@ -81,6 +81,10 @@ class MemoryStorageReader(StorageReader):
         self._deferred_error: Exception | None = None  # of reset(), raised where every rank plans the load
         self._read_error: Exception | None = None  # of this load's read_metadata (see _rank_local_metadata)
         self._hold: weakref.finalize | None = None  # releases this load's retention hold, once
+        # (file identity, offset, length) of the stored items this load verified, so that an item several
+        # reads take regions of (DCP's resharding) is hashed once, also where they are read one at a time
+        # (a copy fetched again after a failed check is a new file: verified again)
+        self._verified: set[tuple[tuple[int, int], int, int]] = set()
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         """Aim the next load at ``checkpoint_id`` (``dcp.load`` calls this with its ``checkpoint_id``, and
@@ -224,6 +228,7 @@ class MemoryStorageReader(StorageReader):
         # A process that only loads (an evaluation job) never saves, which is where mappings of files
         # deleted since (by another process's delete or pool trim) are dropped; each keeps its memory.
         MAPPINGS.prune()
+        self._verified = set()
         try:
             self._read_plan(plan, planner)
         finally:
@@ -400,9 +405,9 @@ class MemoryStorageReader(StorageReader):
         """Copy each read from the mapping. A whole item into a CPU tensor is hashed chunk by chunk as it
         is copied (one pass over the bytes); other reads verify the stored item first, once per item."""
         _check_size(path, mf.size, reads)  # the mapping's size: the file may have changed since its stat
-        verified: set[tuple[int, int]] = set()
+        verified = self._verified
         for r in reads:
-            loc, item = r.loc, (r.loc.offset, r.loc.length)
+            loc, item = r.loc, (mf.key, r.loc.offset, r.loc.length)
             if item not in verified and self.store.verify_checksums and r.dst is not None and r.whole():
                 stored = mf.tensor(loc.offset, r.dst.dtype, loc.shape)
                 self._check(r, copy_with_checksum(r.dst, stored), path)
