@@ -304,7 +304,7 @@ class MemStore(PersistingStore, ReplicatingStore):
         self._peers: Peers | None = None  # what a copy of this store in DCP's checkpoint process knows
         self._single_node = False
         # the newest commit time latest_checkpoint saw in any tier (persisted, other nodes): the next
-        # commit comes after it, also where this node's tmpfs holds none of them (catalog.next_commit_time)
+        # commit comes after it, also where this node's tmpfs holds none of them (catalog.next_commit)
         self.newest_commit_seen = 0.0
         self._is_copy = False  # a copy in DCP's checkpoint process: never starts replication services
         self.replication()

@@ -490,8 +490,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                 with space_errors(layout.root, len(encoded), "for the manifest"):
                     write_atomic(directory / MANIFEST, encoded)
                 crash_point("before-commit", self.rank)
-                seq = catalog.next_seq(layout)
-                at = catalog.next_commit_time(layout, self.store.newest_commit_seen)
+                seq, at = catalog.next_commit(layout, self.store.newest_commit_seen)
                 self.store.newest_commit_seen = at  # a save deleted since does not lend its time to the next
                 record = CommitRecord(self.checkpoint_id, seq, at, manifest.nbytes)
                 # other nodes: prepared (invisible) first, committed only after this node commits

@@ -144,17 +144,20 @@ def _is_child(owner: dict) -> bool:
 
 def next_seq(layout: StoreLayout) -> int:
     """The sequence number the next commit gets (one more than the newest committed checkpoint's)."""
-    return max((r.seq for r in committed(layout)), default=0) + 1
+    return next_commit(layout)[0]
 
 
-def next_commit_time(layout: StoreLayout, after: float = 0.0) -> float:
-    """The commit time the next commit gets: now, but after the newest committed checkpoint's and after
-    ``after`` (the newest the caller saw in other tiers). Commit times order checkpoints across tiers and
-    stores (``latest_checkpoint``), so a wall clock stepped back (NTP, a VM restored from a snapshot, a
-    node whose clock is behind the one that saved the persisted checkpoints) must not make a new
-    checkpoint look older than the ones before."""
-    newest = max((r.committed_at for r in committed(layout)), default=after)
-    return max(time.time(), max(newest, after) + COMMIT_TIME_STEP_S)
+def next_commit(layout: StoreLayout, after: float = 0.0) -> tuple[int, float]:
+    """The sequence number (``next_seq``) and the commit time the next commit gets, from one listing.
+    The time is now, but after the newest committed checkpoint's and after ``after`` (the newest the
+    caller saw in other tiers). Commit times order checkpoints across tiers and stores
+    (``latest_checkpoint``), so a wall clock stepped back (NTP, a VM restored from a snapshot, a node
+    whose clock is behind the one that saved the persisted checkpoints) must not make a new checkpoint
+    look older than the ones before."""
+    records = committed(layout)
+    newest = max((r.committed_at for r in records), default=after)
+    seq = max((r.seq for r in records), default=0) + 1
+    return seq, max(time.time(), max(newest, after) + COMMIT_TIME_STEP_S)
 
 
 def join(layout: StoreLayout, checkpoint_id: str) -> Path:
@@ -188,12 +191,14 @@ def commit(
 ) -> CommitRecord:
     """Write the COMMITTED marker: from here on the checkpoint is visible (coordinator only, or on each
     node as the coordinator says). ``seq`` defaults to ``next_seq``; pass the one a caller already decided
-    on (e.g. to place a hold first). ``committed_at`` defaults to ``next_commit_time`` (other nodes take the
+    on (e.g. to place a hold first). ``committed_at`` defaults to ``next_commit``'s (other nodes take the
     coordinator's)."""
     d = layout.checkpoint_dir(checkpoint_id)
-    seq = next_seq(layout) if seq is None else seq
-    at = next_commit_time(layout) if committed_at is None else committed_at
-    rec = CommitRecord(checkpoint_id, seq, at, nbytes)
+    if seq is None or committed_at is None:
+        default_seq, default_at = next_commit(layout)
+        seq = default_seq if seq is None else seq
+        committed_at = default_at if committed_at is None else committed_at
+    rec = CommitRecord(checkpoint_id, seq, committed_at, nbytes)
     write_record(d / COMMITTED, rec.to_record())
     (d / INPROGRESS).unlink(missing_ok=True)
     return rec
