@@ -9,11 +9,11 @@ payloads; nothing unpickled), and only touches paths under its own root and job:
 
 Starting, it removes the temporary files of transfers whose receiving process died (``remove_stale_parts``)
 under ``replicas/`` and ``fetched/`` (files a reader fetched from a peer). A node's own files are served
-only once their checkpoint is committed there. ``stat`` also says this
-node's upload state of a committed checkpoint towards the target the peer names (its records on tmpfs,
-``persist.progress``) and, from the store's ``replication_state`` callback, the replication state of the
-node's own files of it, and how many data files its manifest lists: a node that lacks the checkpoint
-tells from them whether it is being persisted and replicated.
+only once their checkpoint is committed there, and held from eviction meanwhile (``_served_file``).
+``stat`` also says this node's upload state of a committed checkpoint towards the target the peer names
+(its records on tmpfs, ``persist.progress``) and, from the store's ``replication_state`` callback, the
+replication state of the node's own files of it, and how many data files its manifest lists: a node
+that lacks the checkpoint tells from them whether it is being persisted and replicated.
 The ``commit`` op (the coordinator preparing, committing or aborting a checkpoint on this node; a prepare
 carries the manifest, whose SHA-256 the signed header names) is handed to the store's ``on_commit``
 callback; a server without one refuses it. Likewise ``replicated`` (a node's files of a checkpoint are
@@ -74,9 +74,11 @@ from dcp_memstore.replication.transport import (
     list_files,
     remove_stale_parts,
 )
+from dcp_memstore.store import catalog
 from dcp_memstore.store.checksum import checksum_bytes
 from dcp_memstore.store.ids import validate_file_name, validate_name
 from dcp_memstore.store.layout import COMMITTED, StoreLayout
+from dcp_memstore.store.space import FULL_ERRNOS
 
 if TYPE_CHECKING:
     from dcp_memstore.replication.rdma import RdmaEndpoint
@@ -471,6 +473,15 @@ class PeerServer:
                 f"nothing was kept, send it again",
             )
 
+    @staticmethod
+    def _keep(incoming: IncomingFile, what: str) -> None:
+        """Rename a received file into place; a failure (its replica directory removed meanwhile, when this
+        node dropped the checkpoint) is an ``io_error`` reply, not a connection that just ends."""
+        try:
+            incoming.commit()
+        except OSError as e:
+            raise _Refusal("io_error", f"cannot keep {what} on this node: {e}") from None
+
     def _op_put(self, conn: socket.socket, header: dict, nonce: bytes) -> None:
         incoming, what = self._incoming_replica(header)
         start = time.perf_counter()
@@ -478,33 +489,70 @@ class PeerServer:
             self._reply(conn, nonce, {})  # go ahead: the file has room
             actual = wire.recv_payload(conn, incoming.view)
             self._check_arrived(what, actual, wire.recv_trailer(conn))
-            incoming.commit()
+            self._keep(incoming, what)
         self._reply(conn, nonce, {}, index=1)
         self._stored(what, header["size"], start)
 
-    def _served_file(self, header: dict, offset: int, length: int | None) -> OutgoingFile:
+    @contextlib.contextmanager
+    def _served_file(self, header: dict, offset: int, length: int | None) -> Iterator[OutgoingFile]:
         """The checks of a ``get`` (names; this node's own files only once committed; replicas; no
-        symlinks; the range inside the file) and, if they pass, the open range; a refusal otherwise."""
+        symlinks; the range inside the file) and, if they pass, the open range; a refusal otherwise.
+
+        This node's own committed files are held from eviction while they are served
+        (``catalog.process_hold``): eviction hands a checkpoint's files to the pool, where the next save
+        writes into them, and the peer would get a mix of two saves whose checksum matches what was sent.
+        (Replicas need no hold: dropping one unlinks it, and a new one replaces it by rename, so the open
+        file keeps its bytes.)"""
         checkpoint = _name(header["checkpoint"], "checkpoint id")
         file = _file_name(header["file"])
         source = header["source"]
+        held: str | None = None
         if source is None:
             path, what = self.layout.checkpoint_dir(checkpoint) / file, "this node's copy"
-            if not (path.parent / COMMITTED).exists():
-                raise _Refusal("not_found", f"checkpoint {checkpoint} is not committed on this node")
+            held = self._hold_own(checkpoint)
         else:
             source = _name(source, "source node")
             path, what = self.layout.replica_dir(source, checkpoint) / file, f"the replica of node {source}"
         try:
-            return OutgoingFile(path, offset, length)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            raise _Refusal("not_found", f"no file {file} of checkpoint {checkpoint} in {what}") from None
-        except ValueError as e:
-            raise _Refusal("bad_request", f"file {file} of checkpoint {checkpoint} in {what}: {e}") from None
+            try:
+                served = OutgoingFile(path, offset, length)
+            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+                raise _Refusal("not_found", f"no file {file} of checkpoint {checkpoint} in {what}") from None
+            except ValueError as e:
+                raise _Refusal(
+                    "bad_request", f"file {file} of checkpoint {checkpoint} in {what}: {e}"
+                ) from None
+            except OSError as e:
+                raise _Refusal(
+                    "io_error", f"cannot open file {file} of checkpoint {checkpoint} in {what}: {e}"
+                ) from None
+            with served:
+                yield served
+        finally:
+            if held:
+                catalog.release(self.layout, checkpoint, held)
+
+    def _hold_own(self, checkpoint: str) -> str:
+        """Hold this node's committed ``checkpoint`` while a peer gets a file of it; return the hold's
+        name ("" if the tmpfs had no room for its record: served unheld, with a warning, as a load is;
+        "" for a checkpoint whose commit marker is damaged, which retention never evicts). A refusal if
+        it is not committed here."""
+        try:
+            held = catalog.process_hold(self.layout, checkpoint, "serve")
+        except ValueError:  # a damaged commit marker (catalog.read_commit)
+            return ""
         except OSError as e:
-            raise _Refusal(
-                "io_error", f"cannot open file {file} of checkpoint {checkpoint} in {what}: {e}"
-            ) from None
+            if e.errno not in FULL_ERRNOS:
+                raise _Refusal("io_error", f"cannot hold checkpoint {checkpoint} on this node: {e}") from None
+            log.warning(
+                "peer server of job %s: no room for the record that holds checkpoint %s while a peer "
+                "gets its files (%s); serving it unheld: an eviction meanwhile fails the peer's checksums",
+                self.job_id, checkpoint, e,
+            )  # fmt: skip
+            return ""
+        if held is None:
+            raise _Refusal("not_found", f"checkpoint {checkpoint} is not committed on this node")
+        return held
 
     def _op_get(self, conn: socket.socket, header: dict, nonce: bytes) -> None:
         with self._served_file(header, header["offset"], header["length"]) as source_file:
@@ -564,7 +612,7 @@ class PeerServer:
                 self._reply(conn, nonce, fields)  # go ahead: write the bytes, then send the trailer
                 expected = self._await_trailer(conn, size)
             self._check_arrived(what, checksum_bytes(incoming.view), expected)
-            incoming.commit()
+            self._keep(incoming, what)
         self._reply(conn, nonce, {}, index=1)
         self._stored(f"{what} by RDMA", size, start)
 

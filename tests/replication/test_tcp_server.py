@@ -127,6 +127,51 @@ def test_get_from_own_checkpoint_dir_and_empty_file(server, transport, peer_root
     assert (peer.replica_dir("node0", "step-7") / "e").read_bytes() == b""
 
 
+def test_a_checkpoint_is_not_evicted_while_a_peer_gets_its_file(
+    server, transport, peer_root, local, monkeypatch
+):
+    """Eviction hands a checkpoint's files to the pool, where the next save writes into them: a peer
+    getting one meanwhile would receive a mix of two saves under a matching transit checksum."""
+    peer = StoreLayout(peer_root, JOB)
+    data = os.urandom(64 * MiB)  # more than the sockets buffer: the server is still sending below
+    make_file(peer, "step-1", shard_name(0, 0), data)
+    catalog.commit(peer, "step-1", len(data))
+    receive, evicted = wire.recv_payload, []
+
+    def evict_then_receive(sock: socket.socket, view: memoryview) -> int:
+        evicted.extend(catalog.evict(peer, keep=0))  # retention on the serving node, mid-transfer
+        return receive(sock, view)
+
+    monkeypatch.setattr(wire, "recv_payload", evict_then_receive)
+    transport.get_file(server.address, "step-1", shard_name(0, 0), local.job_dir / "a", layout=local)
+    assert evicted == [] and (local.job_dir / "a").read_bytes() == data
+    deadline = time.monotonic() + 5
+    while catalog.holds(peer, "step-1") and time.monotonic() < deadline:  # released once sent
+        time.sleep(0.01)
+    assert catalog.evict(peer, keep=0) == ["step-1"]
+
+
+def test_a_replica_dropped_while_it_arrives_is_an_io_error_reply(
+    server, transport, local, peer_root, monkeypatch
+):
+    """The receiving node drops its copies of the checkpoint (it evicted it) while a replica arrives: the
+    sender is told why, not left with a connection that just ended."""
+    src = make_file(local, "step-1", shard_name(0, 0), os.urandom(MiB))
+    send = wire.send_payload
+
+    def drop_then_send(sock: socket.socket, view: memoryview) -> int:
+        catalog.drop_copies(StoreLayout(peer_root, JOB), "step-1")
+        return send(sock, view)
+
+    monkeypatch.setattr(wire, "send_payload", drop_then_send)
+    with pytest.raises(
+        ReplicationError, match=f"cannot keep file {shard_name(0, 0)} of checkpoint step-1"
+    ) as e:
+        transport.put_file(server.address, "node0", "step-1", shard_name(0, 0), src)
+    assert e.value.code == "io_error"
+    assert [f for f in files_under(peer_root) if "step-1" in f] == []
+
+
 def test_put_replaces_an_older_replica_file(server, transport, local, peer_root):
     src = make_file(local, "s", "f", b"old" * 1000)
     transport.put_file(server.address, "node0", "s", "f", src)
