@@ -98,11 +98,12 @@ class _Call:
             raise ReplicationError(self.peer, "protocol", f"sent a malformed hello ({self.what}): {e}") from e
 
     def recv(self) -> dict:
-        """The peer's next header; under the call's deadline all of it must arrive by then (a peer that
-        trickles its bytes does not stretch the call), else within the transport's timeout per receive."""
-        if self.deadline is None:
-            return self.run(wire.recv_header)
-        by = min(self.deadline, time.monotonic() + self.transport.timeout_s)
+        """The peer's next header, all of it within the transport's timeout and by the call's deadline if
+        it has one: a peer that trickles its bytes (anything that answers at a peer's address, before any
+        authentication) does not stretch the call."""
+        by = None if self.transport.timeout_s is None else time.monotonic() + self.transport.timeout_s
+        if self.deadline is not None:
+            by = self.deadline if by is None else min(self.deadline, by)
         return self.run(wire.recv_header, False, by)
 
     def run(self, fn, *args):
@@ -164,7 +165,8 @@ class _Call:
 class TcpTransport(Transport):
     """Transport over TCP to peers' ``PeerServer``s of job ``job_id`` holding ``secret``.
 
-    ``timeout_s`` bounds connecting and each wait for the peer (not a whole transfer)."""
+    ``timeout_s`` bounds connecting, each header from the peer, and each CHUNK of a payload (not a
+    whole transfer), however slowly their bytes trickle in."""
 
     def __init__(self, job_id: str, secret: bytes, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.job_id = validate_name(job_id, "job id")

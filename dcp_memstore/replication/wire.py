@@ -59,6 +59,7 @@ Payloads move without copies in this process: ``sendall`` of memoryview slices o
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import time
@@ -388,21 +389,30 @@ def send_payload(sock: socket.socket, view: memoryview) -> int:
 
 def recv_payload(sock: socket.socket, view: memoryview) -> int:
     """Receive exactly ``len(view)`` bytes straight into the writable ``view``; return their xxh3-64.
-    Raises ConnectionError if the peer closes first."""
+    Raises ConnectionError if the peer closes first. With a socket timeout, each CHUNK must arrive within
+    it, however its bytes trickle in (TimeoutError): a peer that sends a byte now and then does not keep
+    a transfer, and the thread waiting on it, going for good. The socket's timeout is left as it was."""
     view = view.cast("B") if view.format != "B" else view
     h = xxhash.xxh3_64()
     n = len(view)
-    for off in range(0, n, CHUNK):
-        piece = view[off : off + CHUNK]
-        got = 0
-        while got < len(piece):
-            k = sock.recv_into(piece[got:])
-            if k == 0:
-                raise ConnectionError(
-                    f"the peer closed the connection after {off + got} of {n} payload bytes"
-                )
-            got += k
-        h.update(piece)
+    per_chunk = sock.gettimeout()
+    try:
+        for off in range(0, n, CHUNK):
+            piece = view[off : off + CHUNK]
+            deadline = None if per_chunk is None else time.monotonic() + per_chunk
+            got = 0
+            while got < len(piece):
+                _await(sock, deadline, f"payload bytes {off}..{off + len(piece)} of {n}")
+                k = sock.recv_into(piece[got:])
+                if k == 0:
+                    raise ConnectionError(
+                        f"the peer closed the connection after {off + got} of {n} payload bytes"
+                    )
+                got += k
+            h.update(piece)
+    finally:
+        with contextlib.suppress(OSError):  # closed meanwhile (a transport's close())
+            sock.settimeout(per_chunk)
     return h.intdigest()
 
 

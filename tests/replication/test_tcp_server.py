@@ -644,6 +644,55 @@ def test_silent_peer_is_a_timeout(secret):
         silent.close()
 
 
+def trickling_server(frame: bytes, gap_s: float) -> socket.socket:
+    """A listening socket whose first connection gets ``frame`` one byte every ``gap_s`` seconds."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def drip() -> None:
+        conn, _ = listener.accept()
+        with conn, contextlib.suppress(OSError):
+            for b in frame:
+                conn.sendall(bytes([b]))
+                time.sleep(gap_s)
+
+    threading.Thread(target=drip, daemon=True).start()
+    return listener
+
+
+def test_a_peer_trickling_its_hello_does_not_stretch_a_call_past_the_timeout(secret, local):
+    """Anything answering at a peer's address, unauthenticated, sending a byte each 0.2 s (never silent for
+    the 0.5 s timeout) must not hold the call (and the replicator thread) for the hello's length."""
+    listener = trickling_server(wire.pack_frame(wire.server_hello(b"x" * 4000)), 0.2)
+    src = make_file(local, "step-1", shard_name(0, 0), b"abc")
+    start = time.monotonic()
+    try:
+        with TcpTransport(JOB, secret, timeout_s=0.5) as t, pytest.raises(TimeoutError):
+            t.put_file(listener.getsockname(), "node0", "step-1", shard_name(0, 0), src)
+    finally:
+        listener.close()
+    assert time.monotonic() - start < 5
+
+
+def test_a_peer_trickling_a_payload_does_not_stretch_a_get_past_the_timeout(
+    server, secret, local, peer_root, monkeypatch
+):
+    peer = StoreLayout(peer_root, JOB)
+    make_file(peer, "step-1", shard_name(0, 0), os.urandom(MiB))
+    catalog.commit(peer, "step-1", MiB)
+
+    def trickle(sock: socket.socket, view: memoryview) -> int:
+        for i in range(len(view)):
+            sock.sendall(view[i : i + 1])
+            time.sleep(0.2)
+        return 0
+
+    monkeypatch.setattr(wire, "send_payload", trickle)  # the server's side of a get
+    start = time.monotonic()
+    with TcpTransport(JOB, secret, timeout_s=0.5) as t, pytest.raises(TimeoutError):
+        t.get_file(server.address, "step-1", shard_name(0, 0), local.job_dir / "a", layout=local)
+    assert time.monotonic() - start < 5 and not (local.job_dir / "a").exists()
+
+
 def test_unsigned_ok_reply_is_not_trusted(secret):
     """A fake server (without the secret) cannot make a client believe its file was stored."""
     fake = socket.create_server(("127.0.0.1", 0))
