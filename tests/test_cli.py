@@ -6,6 +6,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -148,6 +149,35 @@ def test_delete_on_a_read_only_mount_is_a_clear_error_that_changes_nothing(root,
     assert "Read-only file system (" in err and "deleting needs write access to the store" in err
     assert err.count("Errno") == 1
     assert sorted(str(p) for p in Path(root).rglob("*")) == before
+
+
+_AS_NOBODY = """
+import sys, torch, torch.distributed.checkpoint as dcp
+from dcp_memstore import MemoryStorageWriter, MemStore
+import os; os.setgid(65534); os.setuid(65534)  # imported first: the interpreter may live where nobody reads
+with MemStore(root=sys.argv[1], job_id="j") as store:
+    for cid in sys.argv[2:]:
+        writer = MemoryStorageWriter(store)
+        dcp.save({"w": torch.ones(3)}, checkpoint_id=cid, storage_writer=writer, no_dist=True)
+    print(store.list_checkpoints())
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running the job as another user needs root")
+def test_a_delete_run_by_root_leaves_the_store_usable_by_the_jobs_own_user(root, capsys):
+    """An operator frees memory with `sudo dcp-memstore delete`; the job, run by its own user, must still
+    open its store (the command's process lock file, root's, must not stop it)."""
+    os.chown(root, 65534, 65534)
+
+    def as_job_user(*ids: str) -> str:
+        cmd = [sys.executable, "-c", _AS_NOBODY, root, *ids]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    assert as_job_user("a", "b") == "['a', 'b']"
+    assert _cli(capsys, "delete", "a", "--root", root, "--job-id", "j")[0] == 0  # as root, still running
+    assert as_job_user("c") == "['b', 'c']"
 
 
 def test_delete_warns_about_nothing_and_leaves_an_owed_checkpoint_owed(root, capsys, tmp_path):

@@ -48,12 +48,16 @@ def is_token(value: object) -> bool:
 
 
 def alive(layout: StoreLayout, token: str) -> bool:
-    """Whether the process whose token is ``token`` still runs. A dead one's lock file is removed."""
+    """Whether the process whose token is ``token`` still runs. A dead one's lock file is removed. A lock
+    file this process may not open (another user's, made unreadable by an older release) cannot be
+    judged: its process is taken to run, so nothing it owned is cleared."""
     path = layout.procs_dir / f"{token}{_SUFFIX}"
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return False  # its process died and another process found it so first
+    except PermissionError:
+        return True
     try:
         try:  # shared: two processes judging the same owner at once must not see each other's lock
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -81,7 +85,8 @@ def _take(procs: Path) -> tuple[str, int]:
     while True:
         token = f"p{os.getpid()}-{uuid.uuid4().hex[:12]}"
         path = procs / f"{token}{_SUFFIX}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        os.fchmod(fd, 0o644)  # whatever the umask: every user of the store must be able to try the lock
         fcntl.flock(fd, fcntl.LOCK_EX)
         if same_file(fd, path):
             return token, fd
