@@ -252,12 +252,13 @@ class MemStore(PersistingStore, ReplicatingStore):
             raise NotADirectoryError(
                 f"MemStore root {root} exists and is not a directory; pass a directory on tmpfs"
             )
-        # last of the checks: the probe writes (and removes) an object, and may make the directory
-        if self.target is not None:
-            self.target.check_writable()
         # resolved also where it does not exist yet: every store of the job, the first included, has the
         # same job_dir (saves are ordered and told apart per job_dir), whatever '..' or symlinks root has
         self.layout = StoreLayout(root.resolve(), self.job_id)
+        # last of the checks: the probe writes (and removes) an object, and may make the directory
+        if self.target is not None:
+            self.target.check_apart_from(self.layout.root, self.layout.job_dir)
+            self.target.check_writable()
         try:
             self.layout.ensure()
         except OSError as e:  # the same type (PermissionError, NotADirectoryError, ...), saying what to do

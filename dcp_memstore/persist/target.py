@@ -209,6 +209,21 @@ class PersistTarget:
             for key in [k for k in list(cache) if k.startswith(f"{self.root}/")]:
                 cache.pop(key, None)
 
+    def check_apart_from(self, root: Path, job_dir: Path) -> None:
+        """ValueError if this is a local directory inside the store's own job directory ``job_dir``, or
+        its ``root`` (where a checkpoint named as the job would be persisted into the job's directory):
+        retention would delete the "persisted" copies with the checkpoints they copy, and the uploads
+        would mix with the store's files. ``root`` and ``job_dir`` are resolved paths."""
+        if not self.is_local:
+            return
+        persisted = Path(self.root).resolve()
+        if persisted == root or persisted.is_relative_to(job_dir):
+            raise ValueError(
+                f"persist_to={self.url!r} is {'the MemStore root' if persisted == root else 'inside'} "
+                f"the store's own directory {job_dir}: its copies would be evicted with the checkpoints "
+                f"in memory. Persist to a directory outside {root}, on durable storage"
+            )
+
     def check_writable(self, timeout_s: float = PROBE_TIMEOUT_S) -> None:
         """Write (and remove) a small object under the root, so that a target no upload can ever reach (a
         missing bucket, a directory that cannot be made or written, refused or missing credentials) is a

@@ -589,6 +589,22 @@ def test_a_persist_to_that_cannot_work_is_refused_when_the_store_opens(shm_dir, 
     assert not Path("s3:").exists()
 
 
+def test_a_persist_to_in_the_stores_own_directory_is_refused_before_anything_is_made(shm_dir):
+    """Copies persisted there would be evicted with the checkpoints they copy (the root: a checkpoint
+    named as the job would be persisted into the job's directory)."""
+    job_dir = shm_dir.resolve() / "job"
+    for target, where in [
+        (job_dir / "checkpoints", "inside"),
+        (job_dir, "inside"),
+        (shm_dir, "the MemStore root"),
+    ]:
+        with pytest.raises(ValueError, match=f"persist_to='{target}' is {where} the store's own directory"):
+            MemStore(root=shm_dir, job_id="job", persist_to=str(target))
+    assert not job_dir.exists()
+    with MemStore(root=shm_dir, job_id="job", persist_to=str(shm_dir / "persisted")) as store:
+        assert store.target is not None
+
+
 def test_bad_persist_configuration_is_refused(shm_dir):
     with pytest.raises(ValueError, match="persist_to"):
         MemStore(root=shm_dir, job_id="job", persist_to="")
