@@ -69,6 +69,29 @@ def test_delete_of_a_checkpoint_being_loaded_is_refused_and_changes_nothing(root
         assert store.list_checkpoints() == []
 
 
+def test_a_load_hold_whose_record_is_damaged_pins_nothing(root, capsys, caplog):
+    """No process can be found to release such a hold: it must not keep its checkpoint from eviction, nor
+    from `dcp-memstore delete` (which troubleshooting.md gives as the fix for a damaged record)."""
+
+    def damage_a_load_hold(cid: str) -> None:
+        holds = store.layout.checkpoint_dir(cid) / "holds"
+        holds.mkdir(exist_ok=True)
+        (holds / "load-p12345-deadbeef").write_bytes(b"junk\n")
+
+    with MemStore(root=root, job_id="j", keep_in_memory=1) as store:
+        writer = MemoryStorageWriter(store)
+        dcp.save({"w": torch.ones(3)}, checkpoint_id="a", storage_writer=writer, no_dist=True)
+        damage_a_load_hold("a")
+        dcp.save(
+            {"w": torch.ones(3)}, checkpoint_id="b", storage_writer=MemoryStorageWriter(store), no_dist=True
+        )
+        assert store.list_checkpoints() == ["b"]  # "a" evicted
+        assert "dropping hold load-p12345-deadbeef of checkpoint 'a': its record is damaged" in caplog.text
+        damage_a_load_hold("b")
+        assert _cli(capsys, "delete", "b", "--root", root, "--job-id", "j")[0] == 0
+        assert store.list_checkpoints() == []
+
+
 def test_unknown_checkpoint_is_a_clear_error(root, capsys):
     MemStore(root=root, job_id="j").close()
     code, _, err = _cli(capsys, "show", "nope", "--root", root, "--job-id", "j")

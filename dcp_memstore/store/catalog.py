@@ -452,12 +452,21 @@ def hold_names(layout: StoreLayout, checkpoint_id: str) -> list[str]:
 
 def holds(layout: StoreLayout, checkpoint_id: str) -> list[str]:
     """The reasons ``checkpoint_id`` is held in memory, sorted (empty: evictable). Holds of processes that
-    died (see ``process_hold``) are dropped here and not listed."""
+    died (see ``process_hold``) are dropped here and not listed; so are process holds whose record is
+    damaged (written atomically, a record is whole unless something else wrote it), with a warning: no
+    process would ever be found to release them, and the checkpoint could be neither evicted nor
+    deleted."""
     live = []
     for name in hold_names(layout, checkpoint_id):
         if _PROCESS_HOLD_RE.fullmatch(name):
-            owner = _safe_read(layout.checkpoint_dir(checkpoint_id) / HOLDS / name)
-            if owner is not None and not _owner_alive(layout, owner):
+            path = layout.checkpoint_dir(checkpoint_id) / HOLDS / name
+            owner = _safe_read(path)
+            if owner is None and path.exists():
+                log.warning(
+                    "dropping hold %s of checkpoint %r: its record is damaged, so no process can be found "
+                    "to own it", name, checkpoint_id,
+                )  # fmt: skip
+            if owner is None or not _owner_alive(layout, owner):
                 release(layout, checkpoint_id, name)
                 continue
         live.append(name)
