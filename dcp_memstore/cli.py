@@ -1,6 +1,6 @@
 """The dcp-memstore command: look at and tidy a node's checkpoint store.
 
-dcp-memstore list   [--root DIR] [--job-id ID]              committed checkpoints (oldest first): sizes, holds
+dcp-memstore list   [--root DIR] [--job-id ID]              committed checkpoints, oldest first: MiB, holds
 dcp-memstore show   ID [--items] [--root DIR] [--job-id ID]  one checkpoint's files (and every item)
 dcp-memstore delete ID [--root DIR] [--job-id ID]           remove one committed checkpoint
 """
@@ -8,10 +8,12 @@ dcp-memstore delete ID [--root DIR] [--job-id ID]           remove one committed
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 from dcp_memstore.errors import CheckpointInUseError
@@ -55,8 +57,24 @@ def _list(args: argparse.Namespace) -> int:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.committed_at))
         held = catalog.hold_names(layout, r.checkpoint_id)
         note = f"  held for: {', '.join(held)}" if held else ""
-        print(f"  {r.checkpoint_id:<32} seq {r.seq:<6} {r.nbytes / 2**20:10.1f} MiB  {when}{note}")
+        memory = _memory_used(layout.checkpoint_dir(r.checkpoint_id)) / 2**20
+        print(
+            f"  {r.checkpoint_id:<32} seq {r.seq:<6} {r.nbytes / 2**20:10.1f} MiB "
+            f"({memory:.1f} MiB in memory)  {when}{note}"
+        )
     return 0
+
+
+def _memory_used(directory: Path) -> int:
+    """Bytes of memory the files under ``directory`` take (their allocated blocks): more than the data
+    they hold by the alignment of items and the slack of pooled files reused at a larger size. This, not
+    the data, is what sizing the tmpfs needs."""
+    total = 0
+    for top, _, names in os.walk(directory):
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):  # evicted meanwhile
+                total += os.lstat(os.path.join(top, name)).st_blocks * 512
+    return total
 
 
 def _show(args: argparse.Namespace) -> int:
@@ -91,9 +109,11 @@ def _delete(args: argparse.Namespace) -> int:
             # evicts nothing and leaves every other checkpoint as it is.
             warnings.simplefilter("ignore")
             # one io thread: the command copies nothing, and the delete then keeps one pooled file per rank
-            store = MemStore(root=layout.root, job_id=layout.job_id, io_threads=1)
-        with store:
-            store.delete(args.checkpoint_id)
+            with (
+                _as_owner_of(layout.job_dir),
+                MemStore(root=layout.root, job_id=layout.job_id, io_threads=1) as store,
+            ):
+                store.delete(args.checkpoint_id)
     except OSError as e:
         if isinstance(e, FileNotFoundError):  # the checkpoint is not there: its message names those that are
             raise
@@ -105,6 +125,24 @@ def _delete(args: argparse.Namespace) -> int:
         ) from e
     print(f"deleted {args.checkpoint_id}")
     return 0
+
+
+@contextlib.contextmanager
+def _as_owner_of(directory: Path) -> Iterator[None]:
+    """Run as the user and group that own ``directory`` when root runs the command (an operator's
+    ``sudo dcp-memstore delete``): what the delete makes in the store (its pool directories, the files
+    it recycles, its process lock) must be the job's, or the job's own user could not use them."""
+    st = directory.stat()
+    if os.geteuid() != 0 or st.st_uid == 0:
+        yield
+        return
+    os.setegid(st.st_gid)
+    os.seteuid(st.st_uid)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -52,6 +53,21 @@ def test_list_show_delete(root, capsys):
     assert _cli(capsys, "delete", "step-1", "--root", root, "--job-id", "j")[0] == 0
     assert store.list_checkpoints() == ["step-2"]
     store.close()  # stops the allocation of the next save's files, which would outlive the root's removal
+
+
+def test_list_says_the_memory_a_checkpoint_takes_which_tmpfs_sizing_needs(root, capsys):
+    """Items are aligned, so many small ones take far more memory than their data: operations.md sizes
+    the tmpfs from the memory `list` shows."""
+    with MemStore(root=root, job_id="j") as store:
+        sd = {f"t{i}": torch.ones(4) for i in range(3000)}  # 48 kB of data
+        dcp.save(sd, checkpoint_id="a", storage_writer=MemoryStorageWriter(store), no_dist=True)
+        du = subprocess.run(
+            ["du", "-sB1", str(store.layout.checkpoint_dir("a"))], capture_output=True, text=True
+        )
+        code, out, _ = _cli(capsys, "list", "--root", root, "--job-id", "j")
+    data, memory = re.search(r"seq 1 +([0-9.]+) MiB \(([0-9.]+) MiB in memory\)", out).groups()
+    assert code == 0 and float(data) == 0.0
+    assert float(memory) == round(int(du.stdout.split()[0]) / 2**20, 1) > 0.1
 
 
 def test_delete_of_a_checkpoint_being_loaded_is_refused_and_changes_nothing(root, capsys):
@@ -200,6 +216,7 @@ def test_a_delete_run_by_root_leaves_the_store_usable_by_the_jobs_own_user(root,
 
     assert as_job_user("a", "b") == "['a', 'b']"
     assert _cli(capsys, "delete", "a", "--root", root, "--job-id", "j")[0] == 0  # as root, still running
+    assert [str(p) for p in Path(root).rglob("*") if p.lstat().st_uid != 65534] == []
     assert as_job_user("c") == "['b', 'c']"
 
 
