@@ -166,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         return args.fn(args)
+    except BrokenPipeError:  # the reader of the output left (`| head`): not the store's error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        return 0
     except (OSError, ValueError, CheckpointInUseError) as e:  # OSError: not found, read-only, ...
         print(f"dcp-memstore: {e}", file=sys.stderr)
         return 2

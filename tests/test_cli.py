@@ -70,6 +70,19 @@ def test_list_says_the_memory_a_checkpoint_takes_which_tmpfs_sizing_needs(root, 
     assert float(memory) == round(int(du.stdout.split()[0]) / 2**20, 1) > 0.1
 
 
+def test_output_cut_short_by_its_reader_is_no_error(root):
+    """`dcp-memstore show ID --items | head -1` in a script with pipefail: the reader leaving is not an
+    error of the store (no message, exit code 0)."""
+    with MemStore(root=root, job_id="j") as store:
+        sd = {f"t{i}": torch.ones(4) for i in range(3000)}  # more lines than a pipe buffers
+        dcp.save(sd, checkpoint_id="a", storage_writer=MemoryStorageWriter(store), no_dist=True)
+    command = f"{sys.executable} -m dcp_memstore.cli show a --items --root {root} --job-id j | head -1"
+    done = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True, timeout=60
+    )
+    assert (done.returncode, done.stderr, done.stdout.startswith("checkpoint a: 3000 items")) == (0, "", True)
+
+
 def test_delete_of_a_checkpoint_being_loaded_is_refused_and_changes_nothing(root, capsys):
     with MemStore(root=root, job_id="j") as store:
         sd = {"w": torch.arange(10.0)}
