@@ -66,15 +66,18 @@ def resolve_root(root: str | os.PathLike | None) -> Path:
 
 
 def resolve_job_id(job_id: str | None) -> str:
-    """``job_id``, else ``$DCP_MEMSTORE_JOB_ID``, else torchrun's run id, else "default" (validated)."""
-    if job_id is None:
-        job_id = "default"
-        for var in (ENV_JOB_ID, "TORCHELASTIC_RUN_ID"):
-            value = os.environ.get(var)
-            if value and value != "none":
-                job_id = value
-                break
-    return validate_name(job_id, "job id")
+    """``job_id``, else ``$DCP_MEMSTORE_JOB_ID``, else torchrun's run id, else "default" (validated; an
+    invalid one from the environment is named with its variable, which the user may not know is read)."""
+    if job_id is not None:
+        return validate_name(job_id, "job id")
+    for var in (ENV_JOB_ID, "TORCHELASTIC_RUN_ID"):
+        value = os.environ.get(var)
+        if value and value != "none":
+            try:
+                return validate_name(value, "job id")
+            except ValueError as e:
+                raise ValueError(f"{e} It was read from ${var}; give a job id to use another") from None
+    return "default"
 
 
 def _default_io_threads() -> int:
@@ -231,10 +234,14 @@ class MemStore(PersistingStore, ReplicatingStore):
         self.target = PersistTarget(persist_to, storage_options) if persist_to is not None else None
         if self.target is None and (persist_every is not None or storage_options is not None):
             raise ValueError("persist_every and storage_options need persist_to (a URL or directory)")
+        source = ""
         if replicas is None:
             replicas = env_int(ENV_REPLICAS, 1, "replicas per node, 0: off")
+            source = f" (read from ${ENV_REPLICAS})"
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
-            raise ValueError(f"replicas must be an int >= 0 (0 turns replication off), got {replicas!r}")
+            raise ValueError(
+                f"replicas must be an int >= 0 (0 turns replication off), got {replicas!r}{source}"
+            )
         self.replicas = replicas
         if not isinstance(transport, str) or transport.lower() not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {transport!r}")

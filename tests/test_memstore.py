@@ -66,6 +66,28 @@ def test_bad_arguments_raise_valueerror_and_create_nothing(shm_dir, kwargs, text
     assert not root.exists()
 
 
+@pytest.mark.parametrize("var", ["DCP_MEMSTORE_JOB_ID", "TORCHELASTIC_RUN_ID"])
+def test_an_invalid_job_id_from_the_environment_names_its_variable(shm_dir, monkeypatch, var):
+    """torchrun's run id (--rdzv-id) is read as the job id: a user who never gave one must learn where it
+    came from."""
+    monkeypatch.delenv("DCP_MEMSTORE_JOB_ID", raising=False)
+    monkeypatch.setenv(var, "my run")
+    with pytest.raises(
+        ValueError, match=rf"invalid job id 'my run': .* It was read from \${var}; give a job id"
+    ):
+        MemStore(root=shm_dir / "root")
+    assert not (shm_dir / "root").exists()
+
+
+def test_a_negative_replica_count_from_the_environment_names_its_variable(shm_dir, monkeypatch):
+    monkeypatch.setenv("DCP_MEMSTORE_REPLICAS", "-1")
+    with pytest.raises(
+        ValueError, match=r"replicas must be an int >= 0 .* got -1 \(read from \$DCP_MEMSTORE_REPLICAS\)"
+    ):
+        MemStore(root=shm_dir / "root", job_id="j")
+    assert not (shm_dir / "root").exists()
+
+
 def test_root_that_is_a_file_is_refused(shm_dir):
     f = shm_dir / "file"
     f.write_text("not a dir")
