@@ -165,8 +165,8 @@ class _Call:
 class TcpTransport(Transport):
     """Transport over TCP to peers' ``PeerServer``s of job ``job_id`` holding ``secret``.
 
-    ``timeout_s`` bounds connecting, each header from the peer, and each CHUNK of a payload (not a
-    whole transfer), however slowly their bytes trickle in."""
+    ``timeout_s`` bounds connecting and each header from the peer, and twice it each CHUNK of a payload
+    (not a whole transfer), however slowly their bytes trickle in."""
 
     def __init__(self, job_id: str, secret: bytes, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.job_id = validate_name(job_id, "job id")

@@ -59,7 +59,6 @@ Payloads move without copies in this process: ``sendall`` of memoryview slices o
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import struct
 import time
@@ -390,29 +389,29 @@ def send_payload(sock: socket.socket, view: memoryview) -> int:
 def recv_payload(sock: socket.socket, view: memoryview) -> int:
     """Receive exactly ``len(view)`` bytes straight into the writable ``view``; return their xxh3-64.
     Raises ConnectionError if the peer closes first. With a socket timeout, each CHUNK must arrive within
-    it, however its bytes trickle in (TimeoutError): a peer that sends a byte now and then does not keep
-    a transfer, and the thread waiting on it, going for good. The socket's timeout is left as it was."""
+    about it (a receive that started in time may end up to one timeout later), however its bytes trickle
+    in (TimeoutError): a peer that sends a byte now and then does not keep a transfer, and the thread
+    waiting on it, going for good."""
     view = view.cast("B") if view.format != "B" else view
     h = xxhash.xxh3_64()
     n = len(view)
     per_chunk = sock.gettimeout()
-    try:
-        for off in range(0, n, CHUNK):
-            piece = view[off : off + CHUNK]
-            deadline = None if per_chunk is None else time.monotonic() + per_chunk
-            got = 0
-            while got < len(piece):
-                _await(sock, deadline, f"payload bytes {off}..{off + len(piece)} of {n}")
-                k = sock.recv_into(piece[got:])
-                if k == 0:
-                    raise ConnectionError(
-                        f"the peer closed the connection after {off + got} of {n} payload bytes"
-                    )
-                got += k
-            h.update(piece)
-    finally:
-        with contextlib.suppress(OSError):  # closed meanwhile (a transport's close())
-            sock.settimeout(per_chunk)
+    for off in range(0, n, CHUNK):
+        piece = view[off : off + CHUNK]
+        deadline = None if per_chunk is None else time.monotonic() + per_chunk
+        got = 0
+        while got < len(piece):
+            k = sock.recv_into(piece[got:])
+            if k == 0:
+                raise ConnectionError(
+                    f"the peer closed the connection after {off + got} of {n} payload bytes"
+                )
+            got += k
+            if got < len(piece) and deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"payload bytes {off}..{off + len(piece)} of {n} did not arrive within {per_chunk} s"
+                )
+        h.update(piece)
     return h.intdigest()
 
 
