@@ -9,6 +9,7 @@ each process: fsspec caches instances), so the target is cheap to build and safe
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import logging
 import os
@@ -65,6 +66,12 @@ def describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+class TargetGoneError(FileNotFoundError):
+    """The local ``persist_to`` directory, which this process made or saw, is gone (a file system
+    unmounted, the directory removed). Uploads do not make it again: the checkpoints would land on whatever
+    lies beneath (the local disk under a mount point) and be reported persisted. Permanent."""
+
+
 class PersistTarget:
     """An fsspec location for persisted checkpoints (see module docstring)."""
 
@@ -83,6 +90,7 @@ class PersistTarget:
                 "write it as 's3://bucket/prefix' or give a directory"
             )
         self._directory = "://" not in url  # a plain directory, named as it is
+        self._root_seen = False  # a local root this process made or wrote in: never made again
         if self._directory:
             url = os.path.abspath(os.path.expanduser(url))
         self.url = url.rstrip("/")
@@ -146,6 +154,7 @@ class PersistTarget:
         multipart upload is recorded there from before its first part until it is completed or aborted,
         so that one this process leaves open (killed, or its abort failed) is aborted later."""
         if self.is_local:
+            self._local_root()
             directory = Path(path).parent
             directory.mkdir(parents=True, exist_ok=True)
             with atomic_file(Path(path)) as out:
@@ -247,7 +256,7 @@ class PersistTarget:
         start."""
         try:
             if self.is_local:
-                self.fs.makedirs(self.root, exist_ok=True)
+                self._local_root()
             path = f"{self.root}/{PROBE}"
             self.fs.pipe_file(path, b"")
         except Exception as e:  # noqa: BLE001 - classified by the caller
@@ -255,6 +264,19 @@ class PersistTarget:
         with contextlib.suppress(Exception):
             self.fs.rm_file(path)
         return None
+
+    def _local_root(self) -> None:
+        """Make the local root the first time (when the store opens); TargetGoneError if it has gone since."""
+        if self._root_seen and not os.path.isdir(self.root):
+            raise TargetGoneError(
+                errno.ENOENT,
+                f"persist_to directory {self.root} is gone (a file system unmounted, or the directory "
+                "removed); it is not made again, lest checkpoints land on what lies beneath. Make it "
+                "available again, then call store.persist(id)",
+                self.root,
+            )
+        os.makedirs(self.root, exist_ok=True)
+        self._root_seen = True
 
     def __repr__(self) -> str:
         return f"PersistTarget({self.url!r})"

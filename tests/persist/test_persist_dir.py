@@ -434,10 +434,31 @@ def test_persist_on_demand_and_retry_after_failure(shm_dir, tmp_path):
         store.persist("x")
         with pytest.raises(PersistError):
             store.wait_persisted("x", timeout=30)
-        target.unlink()  # fixed
+        target.unlink()
+        target.mkdir()  # fixed (a directory gone is not made again: see below)
         store.persist("x")  # retries
         assert store.wait_persisted("x", timeout=60).persisted
         assert catalog.holds(store.layout, "x") == []
+
+
+def test_a_persist_directory_gone_while_the_job_runs_is_not_made_again(shm_dir, tmp_path):
+    """persist_to on a file system that is unmounted (here: removed) while the job runs: making it again
+    would put the checkpoints on whatever lies beneath (the local disk under a mount point) and report
+    them persisted. The upload fails for good, naming it, until it is back and persist(id) is called."""
+    target = tmp_path / "mounted" / "run"
+    with MemStore(root=shm_dir, job_id="job", persist_to=str(target), persist_on_close=False) as store:
+        save(store, _state(1), "a")
+        store.persist("a")
+        store.wait_persisted("a", timeout=60)
+        subprocess.run(["rm", "-rf", str(tmp_path / "mounted")], check=True)
+        save(store, _state(2), "b")
+        store.persist("b")
+        with pytest.raises(PersistError, match=f"persist_to directory {target} is gone"):
+            store.wait_persisted("b", timeout=30)
+        assert not target.exists()
+        target.mkdir(parents=True)  # back
+        store.persist("b")
+        assert store.wait_persisted("b", timeout=60).persisted_url == f"{target}/b"
 
 
 def _block(target: Path) -> None:
@@ -907,6 +928,7 @@ def test_two_stores_with_different_targets_each_hold_a_checkpoint_until_their_ow
         assert a.list_checkpoints() == ["c3", "c4"]  # still held for B
         assert b.status("c3").persist == "failed"
         b_dir.unlink()
+        b_dir.mkdir()
         b.persist("c3")
         b.wait_persisted("c3", timeout=60)
         save(a, _state(5), "c5")
