@@ -52,6 +52,13 @@ def answer_by(deadline: float | None) -> Iterator[None]:
         _DEADLINE.reset(token)
 
 
+def sooner(deadline: float) -> float:
+    """``deadline``, or the deadline of the enclosing ``answer_by`` if that comes first: a call that
+    bounds its own looks (``persist``) inside a wait with a timeout (``close``) keeps the wait's."""
+    outer = _DEADLINE.get()
+    return deadline if outer is None else min(deadline, outer)
+
+
 def look_deadline() -> float | None:
     """When a look started now must end under the deadline of ``answer_by`` (``time.monotonic()``); None
     outside one."""

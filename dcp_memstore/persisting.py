@@ -19,6 +19,7 @@ from dcp_memstore.answer_deadline import (
     answer_limit,
     optional_timeout,
     poll_pause,
+    sooner,
     unanswered_since,
 )
 from dcp_memstore.errors import NodesUnansweredError, PersistError
@@ -50,7 +51,8 @@ class PersistingStore:
         """Upload committed checkpoint ``checkpoint_id`` in the background (returns at once; see
         ``wait_persisted``). Also retries one whose upload failed. Call it on one rank per node or on all.
 
-        It looks at the target for at most ``PERSIST_LOOK_S``: whether a copy recorded as persisted is
+        It looks at the target for at most ``PERSIST_LOOK_S`` (less within a wait that ends sooner,
+        ``close(timeout)``): whether a copy recorded as persisted is
         still there (a target that does not answer by then is taken to hold it), and whether a checkpoint
         this node's memory does not hold is persisted (FileNotFoundError naming the checkpoints that exist
         if it is not; the read's error, a TimeoutError if the target did not answer, if that cannot be
@@ -61,13 +63,16 @@ class PersistingStore:
                 "this MemStore has no persist_to; pass persist_to='s3://bucket/prefix' or a directory"
             )
         cid = validate_name(checkpoint_id)
-        with answer_by(time.monotonic() + PERSIST_LOOK_S):
-            self._persist(cid)
+        start = time.monotonic()
+        deadline = sooner(start + PERSIST_LOOK_S)
+        with answer_by(deadline):
+            self._persist(cid, deadline - start)
         if self._persister is not None:
             self._persister.wake()
 
-    def _persist(self, cid: str) -> None:
-        """``persist``'s work, its looks at the target under the deadline of ``answer_by``."""
+    def _persist(self, cid: str, look_s: float) -> None:
+        """``persist``'s work, its looks at the target under the deadline of ``answer_by`` (``look_s``
+        seconds from its start)."""
         try:
             if catalog.read_commit(self.layout, cid) is not None:
                 progress = Progress(self.layout, cid, self.target.url)
@@ -83,7 +88,7 @@ class PersistingStore:
             if isinstance(unread, TimeoutError):
                 raise TimeoutError(
                     f"checkpoint {cid!r} is not in this node's memory, and {self.target.url} did not say "
-                    f"within {PERSIST_LOOK_S:g} s whether it is persisted there ({unread})"
+                    f"within {look_s:.3g} s whether it is persisted there ({unread})"
                 ) from unread
             if unread is not None:
                 raise unread

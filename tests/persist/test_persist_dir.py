@@ -461,6 +461,25 @@ def test_a_persist_directory_gone_while_the_job_runs_is_not_made_again(shm_dir, 
         assert store.wait_persisted("b", timeout=60).persisted_url == f"{target}/b"
 
 
+def test_close_keeps_its_timeout_while_the_target_does_not_answer(shm_dir, bucket_dir):
+    """close(timeout) has persist() owe the newest checkpoint, which looks at the target for up to 5 s of
+    its own: within close, close's sooner deadline holds. (The persisted commit marker is replaced by a
+    FIFO nobody writes: reading it blocks, as on a frozen server.)"""
+    store = _pstore(shm_dir, bucket_dir)
+    save(store, _state(1), "a")
+    store.persist("a")
+    store.wait_persisted("a", timeout=60)
+    marker = bucket_dir / "a" / COMMITTED
+    marker.unlink()
+    os.mkfifo(marker)
+    try:
+        start = time.monotonic()
+        store.close(timeout=1)
+        assert time.monotonic() - start < 2  # the docs: up to 1 s for uploads, 1 s for the persister
+    finally:
+        os.close(os.open(marker, os.O_RDWR))  # the blocked reads end
+
+
 def _block(target: Path) -> None:
     """Replace the (empty) persist directory ``target`` with a file, so that every upload to it fails for
     good (NotADirectoryError): a target that breaks while the job runs (opening the store checks it)."""
