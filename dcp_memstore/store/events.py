@@ -14,8 +14,8 @@ Every phase reports one ``Event`` when it ends, so that users see the stall trai
   become durable.
 
 A failure of a background phase is an event too (``ok`` False, ``error``, and ``retry_s``: the delay
-before the next attempt, None where it was given up). ``owed`` lists, after a ``persist`` or
-``replicate`` event, the checkpoints of the job this node still owes to that tier.
+before the next attempt, None where it was given up). ``owed`` lists, after a successful
+``persist`` or ``replicate`` event, the checkpoints of the job this node still owes to that tier.
 
 ``emit`` logs each event on the ``dcp_memstore.events`` logger (INFO; the ``Event`` is the log record's
 ``dcp_memstore_event`` attribute, for a structured handler) and calls the ``on_event`` callbacks of the
@@ -115,7 +115,8 @@ def emit(
     for callback in callbacks:
         try:
             callback(event)
-        except Exception:  # noqa: BLE001 - a user's callback: reporting never fails the work reported
+        except (Exception, SystemExit):  # noqa: BLE001 - a user's callback (sys.exit() on a failure too):
+            # reporting never fails the work reported, nor ends the background thread that reports it
             log.exception("on_event callback %r failed on %s", callback, event)
     return event
 

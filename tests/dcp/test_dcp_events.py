@@ -4,6 +4,7 @@ store's ``on_event`` callback and to the ``dcp_memstore.events`` logger; reporti
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from pathlib import Path
 
@@ -61,6 +62,21 @@ def test_a_callback_that_raises_fails_no_save(shm_dir, caplog):
         save(store, sd, "step-3")
         assert_tree_equal(expected, load_fresh(store, sd, "step-3"))
     assert "on_event callback" in caplog.text and "metrics backend down" in caplog.text
+
+
+def test_a_callback_that_exits_ends_no_background_thread(shm_dir, tmp_path):
+    """sys.exit() in a callback (a job that gives up on a failure event) raises SystemExit in the thread
+    that reports: the persister's. Uploads must go on (before, the thread died without a word and every
+    later upload stalled, its status 'queued')."""
+
+    def exits(event: Event) -> None:
+        sys.exit(1)
+
+    with MemStore(root=shm_dir, job_id="job", on_event=exits, persist_to=str(tmp_path / "t")) as store:
+        for cid in ("a", "b"):
+            save(store, _state(1), cid)
+            store.persist(cid)
+            assert store.wait_persisted(cid, timeout=30).persisted
 
 
 def test_a_closed_store_calls_its_callback_no_more(shm_dir):
