@@ -27,7 +27,7 @@ from dcp_memstore.persist import target_users
 from dcp_memstore.persist.bounded_calls import BoundedCalls
 from dcp_memstore.persist.persister import global_rank, node_share
 from dcp_memstore.persist.progress import PRESSING, Progress, is_persist_hold, target_key
-from dcp_memstore.persist.publish import read_parts, remote_commit
+from dcp_memstore.persist.publish import DamagedMarkerError, read_parts, remote_commit
 from dcp_memstore.persist.remote_read import RemoteCheckpoint
 from dcp_memstore.persist.target import COMMITTED, describe
 from dcp_memstore.replication.cluster_read import ClusterCheckpoint
@@ -42,6 +42,15 @@ log = logging.getLogger("dcp_memstore.memstore")
 _REMOTE_READS = BoundedCalls()  # looks at a commit marker under a deadline, one at a time per checkpoint
 PERSIST_LOOK_S = 5.0  # how long persist() waits for the target to say whether a checkpoint is there
 os.register_at_fork(after_in_child=_REMOTE_READS.forget)
+
+
+def _unread_state(url: str, unread: Exception) -> tuple[str, str]:
+    """The upload state, and its error, of a checkpoint recorded as persisted whose commit marker could not
+    be read: ``failed`` if it is damaged (nothing retries that: someone must remove it), else
+    ``retrying`` (the target unreachable now: a wait waits for it as for an upload that retries)."""
+    if isinstance(unread, DamagedMarkerError):
+        return "failed", str(unread)
+    return "retrying", f"cannot read {url}: {describe(unread)}"
 
 
 class PersistingStore:
@@ -162,7 +171,7 @@ class PersistingStore:
         if state == "persisted":  # as recorded here: is the copy still there?
             published, unread = self._published(cid)
             if unread is not None:
-                state, error = "retrying", f"cannot read {url}: {describe(unread)}"
+                state, error = _unread_state(url, unread)
             elif not published:
                 state, error = "not requested", self._gone(cid)
         published = url if state == "persisted" else None
@@ -210,7 +219,7 @@ class PersistingStore:
             if published:
                 return CheckpointStatus(cid, False, "persisted", persisted_url=url)
             if unread is not None:
-                states.setdefault("retrying", f"cannot read {url}: {describe(unread)}")
+                states.setdefault(*_unread_state(url, unread))
         state = next((s for s in PRESSING if s in states), "not requested")
         return CheckpointStatus(cid, False, state, error=states.get(state))
 

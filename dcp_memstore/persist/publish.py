@@ -99,13 +99,31 @@ def publish(
     target.put_atomic(target.path(cid, COMMITTED), msgpack.packb(commit.to_record()))
 
 
+class DamagedMarkerError(ValueError):
+    """A persisted commit marker that cannot be decoded. Its copy is not listed, and nothing uploads over
+    it (whose save it was cannot be told): someone removes it. Permanent."""
+
+
+def _decode_marker(target: PersistTarget, checkpoint_id: str, body: bytes) -> CommitRecord:
+    try:
+        return CommitRecord.from_record(checkpoint_id, msgpack.unpackb(body))
+    except Exception as e:  # noqa: BLE001 - any damage, whatever the decoder raises
+        url = target.url_of(checkpoint_id)
+        raise DamagedMarkerError(
+            f"the commit marker {url}/{COMMITTED} is damaged ({type(e).__name__}: {e}): that copy is not "
+            f"used. Remove {url} there, then store.persist(id) uploads it again while it is in memory; "
+            "or save under another id"
+        ) from e
+
+
 def remote_commit(target: PersistTarget, checkpoint_id: str) -> CommitRecord | None:
-    """The commit record of persisted checkpoint ``checkpoint_id``, or None if it is not (fully) persisted."""
+    """The commit record of persisted checkpoint ``checkpoint_id``, or None if it is not (fully) persisted.
+    DamagedMarkerError if its marker cannot be decoded."""
     try:
         body = target.fs.cat_file(target.path(checkpoint_id, COMMITTED))
     except FileNotFoundError:
         return None
-    return CommitRecord.from_record(checkpoint_id, msgpack.unpackb(body))
+    return _decode_marker(target, checkpoint_id, body)
 
 
 def remote_committed(target: PersistTarget) -> list[CommitRecord]:
@@ -129,13 +147,9 @@ def remote_committed(target: PersistTarget) -> list[CommitRecord]:
         if isinstance(body, BaseException):
             raise OSError(f"cannot read {target.url_of(cid)}/{COMMITTED}: {describe(body)}") from body
         try:
-            out.append(CommitRecord.from_record(cid, msgpack.unpackb(body)))
-        except Exception as e:  # noqa: BLE001 - any damage: that checkpoint is not listed
-            log.warning(
-                "persisted checkpoint %r is not listed: its commit marker %s/%s is damaged (%s: %s); "
-                "remove the checkpoint's directory there, or save it again under another id",
-                cid, target.url_of(cid), COMMITTED, type(e).__name__, e,
-            )  # fmt: skip
+            out.append(_decode_marker(target, cid, body))
+        except DamagedMarkerError as e:  # that checkpoint is not listed; the others are
+            log.warning("persisted checkpoint %r is not listed: %s", cid, e)
     return sorted(out, key=lambda r: (r.committed_at, r.seq))
 
 

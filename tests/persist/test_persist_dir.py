@@ -204,7 +204,29 @@ def test_a_damaged_persisted_commit_marker_hides_only_its_checkpoint(shm_dir, bu
     with MemStore(root=fresh_root, job_id="job", persist_to=str(bucket_dir)) as fresh:
         assert fresh.latest_checkpoint() == "step-1"
         assert_tree_equal(_state(1), load(fresh, blank_like(_state(1)), "step-1"))
-    assert f"its commit marker {bucket_dir}/step-2/{COMMITTED} is damaged" in caplog.text
+    assert f"not listed: the commit marker {bucket_dir}/step-2/{COMMITTED} is damaged" in caplog.text
+
+
+def test_a_damaged_persisted_commit_marker_of_a_checkpoint_in_memory_fails_its_wait_saying_what_to_do(
+    shm_dir, bucket_dir
+):
+    """Nothing retries a damaged marker (latest_checkpoint hides that copy): status said 'retrying' and a
+    wait_persisted without a timeout never returned. It is 'failed', naming the marker; once the copy is
+    removed there, persist(id) uploads it again."""
+    with _pstore(shm_dir, bucket_dir, persist_on_close=False) as store:
+        save(store, _state(1), "a")
+        store.persist("a")
+        store.wait_persisted("a", timeout=60)
+        (bucket_dir / "a" / COMMITTED).write_bytes(b"\xff garbage")
+        st = store.status("a")
+        assert (
+            st.persist == "failed" and f"the commit marker {bucket_dir}/a/{COMMITTED} is damaged" in st.error
+        )
+        with pytest.raises(PersistError, match=f"Remove {bucket_dir}/a there, then store.persist"):
+            store.wait_persisted("a")
+        subprocess.run(["rm", "-rf", str(bucket_dir / "a")], check=True)
+        store.persist("a")
+        assert store.wait_persisted("a", timeout=60).persisted_url == f"{bucket_dir}/a"
 
 
 def test_a_persisted_commit_marker_that_cannot_be_read_now_is_named_not_left_out(
