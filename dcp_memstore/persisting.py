@@ -174,6 +174,7 @@ class PersistingStore:
                 state, error = _unread_state(url, unread)
             elif not published:
                 state, error = "not requested", self._gone(cid)
+                counts["files_uploaded"] = 0  # none of them is there now
         published = url if state == "persisted" else None
         return CheckpointStatus(cid, True, state, error=error, persisted_url=published, **counts)
 
@@ -264,14 +265,18 @@ class PersistingStore:
         pause, silent = 0.05, None  # silent: since when nodes have gone unanswered in a row
         while True:
             self.check_open()
+            what = f"checkpoint {cid!r} not persisted after {timeout} s"
             try:
                 with answer_by(deadline):
                     st = self._upload_status(cid)
             except NodesUnansweredError as e:  # one of them may hold it: asked again for a while
-                what = f"checkpoint {cid!r} not persisted after {timeout} s"
                 silent = unanswered_since(e, silent, self.replication_timeout_s, deadline, what)
                 pause = poll_pause(pause, deadline)
                 continue
+            except TimeoutError as e:  # the target did not say whether one not in memory is published
+                raise TimeoutError(
+                    f"{what}: {self.target.url} did not answer whether it is there ({e})"
+                ) from e
             silent = None
             if st.persisted:
                 return st
@@ -279,17 +284,20 @@ class PersistingStore:
                 raise PersistError(
                     f"persisting checkpoint {st.checkpoint_id!r} to {self.target.url} failed: {st.error}"
                 )
-            if st.persist in ("off", "not requested"):
-                elsewhere = "" if st.in_memory or st.persist == "off" else " on the nodes that hold it"
+            if st.persist == "off":
                 raise ValueError(
-                    f"checkpoint {st.checkpoint_id!r} is not being persisted ({st.persist}); "
-                    f"use MemStore(persist_to=...) and store.persist(id){elsewhere}"
+                    f"checkpoint {st.checkpoint_id!r} is not being persisted (off); use "
+                    "MemStore(persist_to=...) and store.persist(id)"
+                )
+            if st.persist == "not requested":
+                elsewhere = "" if st.in_memory else " on the nodes that hold it"
+                why = f": {st.error}" if st.error else ""
+                raise ValueError(
+                    f"checkpoint {st.checkpoint_id!r} is not being persisted (not requested{why}); call "
+                    f"store.persist(id){elsewhere}"
                 )
             if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"checkpoint {st.checkpoint_id!r} not persisted after {timeout} s: {st.persist}"
-                    f"{' (' + st.error + ')' if st.error else ''}"
-                )
+                raise TimeoutError(f"{what}: {st.persist}{' (' + st.error + ')' if st.error else ''}")
             if st.in_memory:  # the state is this node's records: polled often
                 time.sleep(0.05)
             else:  # the other nodes are asked: less often the longer it waits

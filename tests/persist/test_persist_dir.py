@@ -502,6 +502,27 @@ def test_close_keeps_its_timeout_while_the_target_does_not_answer(shm_dir, bucke
         os.close(os.open(marker, os.O_RDWR))  # the blocked reads end
 
 
+def test_a_wait_for_a_checkpoint_not_in_memory_that_times_out_on_the_target_names_both(shm_dir, bucket_dir):
+    """The documented TimeoutError, not a bare 'no answer within 1.0 s' (the marker is a FIFO nobody
+    writes: reading it blocks, as on a frozen server)."""
+    with _pstore(shm_dir, bucket_dir, keep_in_memory=1, persist_on_close=False) as store:
+        save(store, _state(1), "a")
+        store.persist("a")
+        store.wait_persisted("a", timeout=60)
+        save(store, _state(2), "b")  # "a" evicted
+        marker = bucket_dir / "a" / COMMITTED
+        marker.unlink()
+        os.mkfifo(marker)
+        try:
+            expected = (
+                f"checkpoint 'a' not persisted after 1.0 s: {bucket_dir} did not answer whether it is there"
+            )
+            with pytest.raises(TimeoutError, match=expected):
+                store.wait_persisted("a", timeout=1)
+        finally:
+            os.close(os.open(marker, os.O_RDWR))  # the blocked read ends
+
+
 def _block(target: Path) -> None:
     """Replace the (empty) persist directory ``target`` with a file, so that every upload to it fails for
     good (NotADirectoryError): a target that breaks while the job runs (opening the store checks it)."""
@@ -991,9 +1012,11 @@ def test_status_tells_a_persisted_copy_deleted_from_the_target_and_persist_uploa
         store.wait_persisted("c", timeout=60)
         subprocess.run(["rm", "-rf", str(bucket_dir / "c")], check=True)
         st = store.status("c")
-        assert (st.persist, st.persisted_url) == ("not requested", None)
+        assert (st.persist, st.persisted_url, st.files_uploaded) == ("not requested", None, 0)
         assert f"persisted to {bucket_dir}/c, but that copy is gone" in st.error
-        with pytest.raises(ValueError, match="not being persisted"):
+        with pytest.raises(
+            ValueError, match=r"not being persisted \(not requested: .* that copy is gone .*\); call"
+        ):
             store.wait_persisted("c", timeout=5)
         store.persist("c")
         assert store.wait_persisted("c", timeout=60).persisted_url == f"{bucket_dir}/c"
