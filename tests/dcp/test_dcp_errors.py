@@ -29,6 +29,7 @@ from torch.testing._internal.two_tensor import TwoTensor
 
 from dcp_memstore import InsufficientSpaceError, MemoryStorageReader, MemoryStorageWriter, MemStore
 from dcp_memstore.dcp.reader import NEEDS_CHECKPOINT_ID
+from dcp_memstore.dcp.stager import Stager
 from dcp_memstore.errors import ChecksumMismatchError, TruncatedShardError
 from dcp_memstore.replication.transport import ReplicationError
 from dcp_memstore.store import catalog, liveness
@@ -548,12 +549,15 @@ def test_a_staging_slot_of_a_process_killed_in_another_container_is_recycled(qui
     assert_tree_equal(_state(3), load_fresh(quick_store, _state(3), "y"))
 
 
-def _fill(root: Path, leave: int) -> Path:
-    """Take all of ``root``'s file system but ``leave`` bytes, in one allocated file; its path."""
-    filler = root / "filler"
+def _fill(store: MemStore, leave: int) -> Path:
+    """Take all of ``store``'s file system but ``leave`` bytes, in one allocated file; its path. The files
+    the store allocates ahead of its next save, in the background, are allocated first: they would take
+    some of what is measured here."""
+    Stager.of(store).wait_reserved()
+    filler = store.root / "filler"
     fd = os.open(filler, os.O_CREAT | os.O_RDWR)
     try:
-        os.posix_fallocate(fd, 0, free_bytes(root) - leave)
+        os.posix_fallocate(fd, 0, free_bytes(store.root) - leave)
     finally:
         os.close(fd)
     return filler
@@ -573,7 +577,7 @@ def test_space_check_counts_alignment_and_manifest_not_just_tensor_bytes(tmpfs_s
     manifest: a save whose raw bytes fit but whose files do not must fail before it writes anything."""
     many = {f"t{i}": torch.full((1,), float(i)) for i in range(2000)} | {"w": torch.ones(256 << 10)}
     raw = 2000 * 4 + MiB
-    filler = _fill(tmpfs_store.root, leave=raw + 64 * 1024)
+    filler = _fill(tmpfs_store, leave=raw + 64 * 1024)
     _refused_for_want_of_space(tmpfs_store, many, "many")
     filler.unlink()
     save(tmpfs_store, many, "many")  # with room, the same save goes through
@@ -589,7 +593,7 @@ def test_a_pooled_file_counts_as_room_for_the_file_it_serves_not_its_whole_size(
     store = MemStore(root=small_tmpfs / "store", job_id="job", keep_in_memory=1, io_threads=1)
     for cid in ("a", "b"):  # a's 3 MiB file goes to the pool
         save(store, {"w": torch.ones(3 * MiB // 4)}, cid)
-    filler = _fill(store.root, leave=leave)
+    filler = _fill(store, leave=leave)
     sd = {"w": torch.arange(5 * MiB // 2 // 4, dtype=torch.float32)}  # 2.5 MiB: served by the pooled file
     if leave:
         sd["blob"] = b"x" * (600 << 10)  # 600 KiB: more than the room left beside the reused file
@@ -613,7 +617,7 @@ def test_a_save_that_only_fits_once_the_checkpoint_beyond_keep_is_evicted_gets_t
         for cid in ("b", "c"):
             save(store, {"w": torch.ones(MiB // 2 // 4)}, cid)
     store = MemStore(root=root, job_id="job", keep_in_memory=1, io_threads=2)
-    filler = _fill(store.root, leave=5 * MiB // 8)
+    filler = _fill(store, leave=5 * MiB // 8)
     sd = {"x": torch.full((MiB // 4,), 1.0), "y": torch.full((3 * MiB // 4 // 4,), 2.0)}
     if mode == "save":
         save(store, sd, "d")
@@ -630,7 +634,7 @@ def test_a_checkpoint_loads_from_a_full_tmpfs(tmpfs_store, caplog):
     tmpfs, does not fit, so the load goes on without it and says so (it failed with a bare ENOSPC)."""
     sd = _state(4)
     save(tmpfs_store, sd, "a")
-    filler = _fill(tmpfs_store.root, leave=0)
+    filler = _fill(tmpfs_store, leave=0)
     with caplog.at_level(logging.WARNING, logger="dcp_memstore"):
         assert_tree_equal(load_fresh(tmpfs_store, sd, "a"), sd)
     assert "no room in" in caplog.text and "loading it without" in caplog.text
@@ -642,7 +646,7 @@ def test_async_save_space_check_counts_whole_pages_of_the_staged_files(tmpfs_sto
     whose tensor bytes fit but whose files do not must fail at its space check, naming the store root and
     the bytes the files take, before it allocates anything (not half-way, with one file's numbers)."""
     sd = {"a": torch.ones((MiB + 64) // 4), "b": torch.ones((MiB + 64) // 4)}  # one file each, 2 MiB + 128
-    filler = _fill(tmpfs_store.root, leave=2 * MiB + 4096)
+    filler = _fill(tmpfs_store, leave=2 * MiB + 4096)
     before = store_tree(tmpfs_store)
     with pytest.raises(InsufficientSpaceError) as ei:
         async_save(tmpfs_store, sd, "c")
@@ -667,7 +671,7 @@ def test_a_failed_save_whose_files_fill_the_tmpfs_does_not_fail_every_later_save
     os.close(allocate_file(left / shard_name(0, 0), 3 * MiB))
     time.sleep(0.01)  # this save starts after the failed one
     sd = {"a": torch.ones(MiB // 2), "b": torch.ones(MiB // 2)}  # 4 MiB in two files of 2 MiB
-    _fill(tmpfs_store.root, leave=2 * MiB)  # room for 2 MiB more: enough only with the failed save's 3 MiB
+    _fill(tmpfs_store, leave=2 * MiB)  # room for 2 MiB more: enough only with the failed save's 3 MiB
     if mode == "save":
         save(tmpfs_store, sd, "next")
     else:
