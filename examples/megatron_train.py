@@ -147,27 +147,33 @@ def main() -> None:
             print(f"resumed from {ckpt_dir} (step {step})", flush=True)
 
     queue = AsyncCallsQueue(persistent=args.persistent_worker)
-    while step < args.steps:
-        loss = train_step(state, target)
-        step += 1
-        queue.maybe_finalize_async_calls(blocking=False)  # commit saves whose writes have finished
-        if step % args.save_every == 0:
-            ckpt_dir = Path(args.save) / f"iter_{step:07d}"  # its name is the checkpoint id in the store
-            if rank == 0:
-                ckpt_dir.mkdir(parents=True, exist_ok=True)  # Megatron writes common.pt there (rank 0)
-            request = dist_checkpointing.save(
-                sharded_state_dict(state, step, rank, world),
-                str(ckpt_dir),
-                sharded_strategy=save_strategy,
-                async_sharded_save=True,
-            )
-            queue.schedule_async_request(request)  # returns at once; training goes on
-            if rank == 0:
-                way = "on its way"
-                if args.persistent_worker:  # the worker started with the first save
-                    way += f" to the persistent worker (pid {queue.persistent_caller.process.pid})"
-                print(f"step {step}: loss {loss:.6f}, checkpoint {ckpt_dir.name} {way}", flush=True)
-    queue.maybe_finalize_async_calls(blocking=True)
+    try:
+        while step < args.steps:
+            loss = train_step(state, target)
+            step += 1
+            queue.maybe_finalize_async_calls(blocking=False)  # commit saves whose writes have finished
+            if step % args.save_every == 0:
+                ckpt_dir = Path(args.save) / f"iter_{step:07d}"  # its name is the checkpoint id in the store
+                if rank == 0:
+                    ckpt_dir.mkdir(parents=True, exist_ok=True)  # Megatron writes common.pt there (rank 0)
+                request = dist_checkpointing.save(
+                    sharded_state_dict(state, step, rank, world),
+                    str(ckpt_dir),
+                    sharded_strategy=save_strategy,
+                    async_sharded_save=True,
+                )
+                queue.schedule_async_request(request)  # returns at once; training goes on
+                if rank == 0:
+                    way = "on its way"
+                    if args.persistent_worker:  # the worker started with the first save
+                        way += f" to the persistent worker (pid {queue.persistent_caller.process.pid})"
+                    print(f"step {step}: loss {loss:.6f}, checkpoint {ckpt_dir.name} {way}", flush=True)
+        queue.maybe_finalize_async_calls(blocking=True)
+    except BaseException:
+        # a dead persistent worker never answers the stop request of a plain close(), which Megatron's
+        # queue also sends when it is collected at exit: without this the process would not end
+        queue.close(abort=True)
+        raise
     digest = sum(float(state[k].double().sum()) for k in ("w1", "w2", "b2"))
     digest = torch.tensor([digest], dtype=torch.float64)
     dist.all_reduce(digest)

@@ -140,6 +140,7 @@ class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
         dw = _DistWrapper(None, True, 0)
         attempt = uuid.uuid4().hex[:12]
         record = self.store.layout.checkpoint_dir(cid) / RESULTS_RECORD.format(rank=dw.rank, attempt=attempt)
+        self._collect_let_go()
         holder = _SaveThread(writer, cid, record)  # returns once earlier saves are written or dead
         try:
             dead_worker = self._dead_persistent_worker()
@@ -158,7 +159,18 @@ class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
         finalize = functools.partial(
             self._finalize, writer, metadata, dw, holder, record, checkpoint_dir, cid, common
         )
+        # a request let go unfinalized (its queue closed with abort=True and dropped) no longer counts as
+        # a save in flight once it is collected, even one its worker never started (see _collect_let_go)
+        weakref.finalize(finalize, holder.release)
         return AsyncRequest(_write_rank, (writer, plan, data, str(record), os.getpid()), [finalize])
+
+    def _collect_let_go(self) -> None:
+        """Before a save waits for earlier ones still being written: collect the garbage, so that the
+        requests let go meanwhile (a queue closed with ``abort=True`` and dropped: Megatron's queue keeps
+        its requests in reference cycles) stop counting, and this save does not wait for the ones their
+        worker never started, forever. Only then: a collection in a large process takes a while."""
+        if any(save is not None and save.writing() for save in (ref() for ref in self._unfinalized)):
+            gc.collect()
 
     def _dead_persistent_worker(self) -> RuntimeError | None:
         """The error for a save made after Megatron's persistent worker died writing an earlier one, or None.
@@ -196,7 +208,9 @@ class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
                     "Megatron's persistent checkpoint worker of this rank "
                     f"(AsyncCallsQueue(persistent=True)) died while writing checkpoint {cid!r}; Megatron "
                     "neither notices nor restarts it, so no later save through that queue can be written. "
-                    "Restart the job: it resumes from the newest committed checkpoint"
+                    "Restart the job: it resumes from the newest committed checkpoint. Close the queue with "
+                    "close(abort=True) before this process exits: Megatron's queue otherwise waits at exit "
+                    "for the dead worker to acknowledge its stop, for ever"
                 )
         return None
 
@@ -453,6 +467,10 @@ class _SaveThread:
             if self._watching.is_set() and (self.record.exists() or _writer_died(self._layout, self.record)):
                 return
             delay = min(delay * 2, 0.02)
+
+    def writing(self) -> bool:
+        """Whether this save still counts as being written (the thread lives)."""
+        return self._thread.is_alive()
 
     def watch(self) -> None:
         """The planning is done: end once this save's record appears or its writer has died."""

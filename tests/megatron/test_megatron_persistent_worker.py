@@ -65,6 +65,7 @@ JOB_WAIT_S = 150.0
 WRITTEN, KILLED, REFUSED, REFUSED_AGAIN = "iter_0000011", "iter_0000012", "iter_0000013", "iter_0000014"
 FIRST_KILLED, FIRST_REFUSED = "iter_0000021", "iter_0000022"
 IDLE_WRITTEN, QUEUED, WAITING = "iter_0000031", "iter_0000032", "iter_0000033"
+AFTER_ABORT = "iter_0000041"
 KILLED_JOB_DIRS = (
     WRITTEN,
     KILLED,
@@ -75,6 +76,7 @@ KILLED_JOB_DIRS = (
     IDLE_WRITTEN,
     QUEUED,
     WAITING,
+    AFTER_ABORT,
 )
 STAGE_TIMEOUT_S = 3
 ORPHAN_WAIT_S = 10  # the worker checks for its trainer twice a second
@@ -212,6 +214,15 @@ def killed_worker_job(rank: int, world: int, root: str, ckpts: str) -> dict[str,
     out["committed"] = store.list_checkpoints()
     queue.close(abort=True)
     del queue
+
+    # 4. a new queue (forked writers: quicker to start): the save queued for the dead worker, never
+    # started, was let go with its queue, and no longer counts
+    queue = AsyncCallsQueue()
+    out[AFTER_ABORT] = save(queue, strategy, AFTER_ABORT)
+    out["after_abort_finalized"] = queue.maybe_finalize_async_calls(blocking=True)
+    out["committed_at_last"] = store.list_checkpoints()
+    queue.close()
+    del queue
     store.close()
     return out
 
@@ -331,6 +342,18 @@ def test_a_worker_dead_between_saves_fails_the_save_that_waits_for_it(killed: di
     assert killed[f"{WAITING}_s"] < 3 * STAGE_TIMEOUT_S, killed[f"{WAITING}_s"]
     assert killed["queued_finalized"] == []
     assert killed["committed"] == [WRITTEN, IDLE_WRITTEN]
+
+
+def test_a_save_sent_to_a_dead_worker_no_longer_counts_once_its_queue_is_aborted_and_let_go(
+    killed: dict,
+) -> None:
+    """The docs' way out (close the queue with abort=True and let go of it): the save the dead worker
+    never started stops counting, and the next save, through a new queue, is written and committed
+    (before, every later save of the process waited for it: StagingTimeoutError)."""
+    assert killed[AFTER_ABORT] == "scheduled", killed[AFTER_ABORT]
+    assert killed[f"{AFTER_ABORT}_s"] < STAGE_TIMEOUT_S, killed[f"{AFTER_ABORT}_s"]
+    assert killed["after_abort_finalized"] == [0]
+    assert killed["committed_at_last"] == [IDLE_WRITTEN, AFTER_ABORT]
 
 
 def test_a_sharing_strategy_that_cannot_send_the_writer_names_megatrons_way_out(store: MemStore) -> None:
