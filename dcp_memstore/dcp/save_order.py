@@ -48,6 +48,11 @@ class Ticket:
     # the source file of the DCP executor whose code ``thread`` ran this save in (THREAD executor) or sent
     # it from (PROCESS executor): once the thread has left that code, the save is over there
     executor_file: str | None = None
+    checkpoint_id: str | None = None  # once the save has begun (``begin``), for messages
+
+    def describe(self) -> str:
+        """This save, for messages: its checkpoint once it began, else its place in the order."""
+        return repr(self.checkpoint_id) if self.checkpoint_id is not None else f"save {self.seq} (not begun)"
 
     def finished(self) -> bool:
         """True once this save can no longer issue collectives in this process: its thread has ended, or
@@ -159,13 +164,19 @@ class SaveOrder:
         with self._lock:
             return self._sent and all(t.answered() for t in self._tickets.values() if t.sent)
 
-    def begin(self, seq: int | None, timeout_s: float, api: SaveApi) -> None:
-        """Bind ticket ``seq`` to this thread and wait until every earlier save has ended here; ``api``
-        (how the user makes saves) is named in the StagingTimeoutError's advice.
+    def begin(
+        self, seq: int | None, timeout_s: float, api: SaveApi, checkpoint_id: str | None = None
+    ) -> None:
+        """Bind ticket ``seq`` (the save of ``checkpoint_id``) to this thread and wait until every earlier
+        save has ended here; ``api`` (how the user makes saves) is named in the StagingTimeoutError's
+        advice.
 
         ``seq=None`` is a synchronous ``dcp.save``: it waits for every async save staged before it."""
         me = threading.current_thread()
         self.bind(seq)
+        with self._lock:
+            if seq is not None and seq in self._tickets:
+                self._tickets[seq].checkpoint_id = checkpoint_id
         limit = self._next if seq is None else seq
 
         def blocking() -> list[Ticket]:
@@ -196,7 +207,7 @@ class SaveOrder:
         if waiting:
             raise StagingTimeoutError(
                 f"a checkpoint save waited {timeout_s:.0f}s for {len(waiting)} earlier save(s) of this job "
-                f"{what}; {timeout_advice(waiting, api)}"
+                f"{what} ({', '.join(t.describe() for t in waiting)}); {timeout_advice(waiting, api)}"
             )
 
 

@@ -277,7 +277,7 @@ class Stager:
         if active:
             raise StagingTimeoutError(
                 f"async save waited {self.store.stage_timeout_s:.0f}s for earlier saves to commit "
-                f"(still in flight: {[_slot_name(t) for t in active]}); {timeout_advice(active, api)}"
+                f"(still in flight: {', '.join(map(_in_flight, active))}); {timeout_advice(active, api)}"
             )
 
     def reclaim_slots(self) -> None:
@@ -304,6 +304,8 @@ class Stager:
         return active
 
 
-def _slot_name(ticket: Ticket) -> str:
-    """The name of ``ticket``'s staging slot, for messages; a ticket may have none (``hold_place``)."""
-    return Path(ticket.slot).name if ticket.slot is not None else f"save {ticket.seq} (no staging slot)"
+def _in_flight(ticket: Ticket) -> str:
+    """A save in flight, for messages: its checkpoint (or place in the order) and its staging slot, if any
+    (``hold_place`` gives a ticket none)."""
+    slot = f"staged in {Path(ticket.slot).name}" if ticket.slot is not None else "no staging slot"
+    return f"{ticket.describe()}, {slot}"

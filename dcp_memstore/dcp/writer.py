@@ -247,7 +247,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                 failed, cid = failed or e, None
             # Wait for earlier saves of this job in this process before touching any per-save state.
             seq = ticket[0] if ticket else None
-            begin = functools.partial(self._order.begin, seq, api=self.save_api)
+            begin = functools.partial(self._order.begin, seq, api=self.save_api, checkpoint_id=cid)
             failed = self._defer_timeout(begin, failed)
         except BaseException:
             self._current = ticket

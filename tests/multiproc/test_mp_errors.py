@@ -110,6 +110,7 @@ def save_waiting_too_long(rank: int, world: int, root: str) -> dict:
 def test_a_save_that_waits_too_long_for_the_one_before_fails(mp) -> None:
     for rank, r in enumerate(mp.run(save_waiting_too_long, 2, str(mp.root))):
         assert "waited" in r["second"] and "StagingTimeoutError" in r["second"], (rank, r)
+        assert "'a0'" in r["second"], (rank, r)  # the save it waited for, by its checkpoint
         assert r["listed"] == ["a0"], (rank, r)
 
 
