@@ -663,7 +663,7 @@ class MemStore(PersistingStore, ReplicatingStore):
         for rec in recs:
             if not Progress(self.layout, rec.checkpoint_id, self.target.url).owed():
                 continue
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            left = None if deadline is None else round(max(0.0, deadline - time.monotonic()), 3)
             try:
                 self._wait_uploaded(rec.checkpoint_id, left)
             except (PersistError, OSError, ValueError) as e:  # also: damaged in memory (status raises)
