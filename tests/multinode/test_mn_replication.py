@@ -357,12 +357,12 @@ def test_a_rank_that_never_announced_its_server_blocks_neither_status_nor_close(
     (a job shutting down after a failure), so rank 0's replicator waits for its server's address (up to
     stage_timeout_s, 60 s here). Rank 0's wait_replicated of step 1 (status) and close() do not wait
     that long: node 1 acknowledged its files, but with no server there nothing can confirm that it
-    still keeps them, so node 1 is unreachable until the wait's own timeout (5 s)."""
+    still keeps them, so node 1 is unreachable until the wait's own timeout (2 s)."""
     run_job(cluster2, [0, 1], ["save", "--steps", 1, "--wait-replicated"], tmp_path)
     (evs, _) = run_job(cluster2, [0, 1], ["close-alone"], tmp_path)
     (closed,) = of(evs, "closed")
     (outcome,) = closed["replication"]
-    assert outcome.startswith("TimeoutError: checkpoint 'step-1' not replicated after 5.0 s"), closed
+    assert outcome.startswith("TimeoutError: checkpoint 'step-1' not replicated after 2.0 s"), closed
     assert "{'node1': 'unreachable'}" in outcome, closed
     assert closed["wait_s"] < 10 and closed["close_s"] < 10, closed
 
@@ -393,12 +393,12 @@ def test_a_rank_killed_before_it_announced_its_server_fails_lookups_at_the_grace
 
 
 def test_a_rank_slow_to_announce_its_server_is_waited_for(cluster2, tmp_path):
-    """As above, but rank 1 is alive and creates its MemStore 4 s after rank 0: rank 0's status of step
+    """As above, but rank 1 is alive and creates its MemStore 2 s after rank 0: rank 0's status of step
     1 waits for its server and answers what node 1's records say."""
     run_job(cluster2, [0, 1], ["save", "--steps", 1, "--wait-replicated"], tmp_path)
     cluster2.node(0).wipe_root()
     (tmp_path / "persist").mkdir()
-    args = ["dead-peer", "--steps", 1, "--late", 4, "--persist-to", tmp_path / "persist"]
+    args = ["dead-peer", "--steps", 1, "--late", 2, "--persist-to", tmp_path / "persist"]
     (evs, _) = run_job(cluster2, [0, 1], args, tmp_path)
     (status,) = of(evs, "dead-peer")
     assert status["outcome"] == "returned not requested", status  # node 1's answer: it was waited for
