@@ -39,6 +39,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import uuid
 import weakref
 from pathlib import Path
@@ -95,6 +96,9 @@ MEGATRON_SAVE = SaveApi(
     in_process="use Megatron's forked worker (AsyncCallsQueue() without persistent=True). Megatron's queue "
     "has dropped this save's request and waits for it forever: restart the job",
 )
+
+
+LET_GO_AFTER_S = 1.0  # how long a save waits for earlier writes before it looks for requests let go
 
 
 class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
@@ -165,12 +169,18 @@ class MemStoreSaveStrategy(TorchDistSaveShardedStrategy):
         return AsyncRequest(_write_rank, (writer, plan, data, str(record), os.getpid()), [finalize])
 
     def _collect_let_go(self) -> None:
-        """Before a save waits for earlier ones still being written: collect the garbage, so that the
-        requests let go meanwhile (a queue closed with ``abort=True`` and dropped: Megatron's queue keeps
-        its requests in reference cycles) stop counting, and this save does not wait for the ones their
-        worker never started, forever. Only then: a collection in a large process takes a while."""
-        if any(save is not None and save.writing() for save in (ref() for ref in self._unfinalized)):
-            gc.collect()
+        """Before a save waits for earlier ones still being written: once they have taken
+        ``LET_GO_AFTER_S`` without ending, collect the garbage, so that the requests let go meanwhile (a
+        queue closed with ``abort=True`` and dropped: Megatron's queue keeps its requests in reference
+        cycles) stop counting, and this save does not wait for ever for those their worker never started.
+        Not sooner: a collection takes a while in a large process (0.25 s here with torch and Megatron
+        imported), and the save waits for a write about to end anyway."""
+        deadline = time.monotonic() + LET_GO_AFTER_S
+        while any(save is not None and save.writing() for save in (ref() for ref in self._unfinalized)):
+            if time.monotonic() >= deadline:
+                gc.collect()
+                return
+            time.sleep(0.005)
 
     def _dead_persistent_worker(self) -> RuntimeError | None:
         """The error for a save made after Megatron's persistent worker died writing an earlier one, or None.
