@@ -104,7 +104,12 @@ class _Call:
         by = None if self.transport.timeout_s is None else time.monotonic() + self.transport.timeout_s
         if self.deadline is not None:
             by = self.deadline if by is None else min(self.deadline, by)
-        return self.run(wire.recv_header, False, by)
+        try:
+            return self.run(wire.recv_header, False, by)
+        finally:  # recv_header leaves the socket the time that was left: what follows gets the whole timeout
+            if self.deadline is None and self.sock is not None:
+                with contextlib.suppress(OSError):  # closed meanwhile (close())
+                    self.sock.settimeout(self.transport.timeout_s)
 
     def run(self, fn, *args):
         try:

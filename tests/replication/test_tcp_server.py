@@ -693,6 +693,34 @@ def test_a_peer_trickling_a_payload_does_not_stretch_a_get_past_the_timeout(
     assert time.monotonic() - start < 5 and not (local.job_dir / "a").exists()
 
 
+def test_a_late_reply_leaves_the_payload_after_it_the_whole_timeout(
+    server, secret, local, peer_root, monkeypatch
+):
+    """The reply to a get comes late but in time (a busy node), then the payload at a steady pace (1 MiB
+    each 0.5 s, against a 1 s timeout): each chunk has the whole timeout, not what the reply left of it."""
+    peer = StoreLayout(peer_root, JOB)
+    data = os.urandom(3 * MiB)
+    make_file(peer, "step-1", shard_name(0, 0), data)
+    catalog.commit(peer, "step-1", len(data))
+    served = server_module.PeerServer._served_file
+
+    def late(self, *args):
+        time.sleep(0.8)
+        return served(self, *args)
+
+    def steady(sock: socket.socket, view: memoryview) -> int:
+        for off in range(0, len(view), MiB):
+            sock.sendall(view[off : off + MiB])
+            time.sleep(0.5)
+        return checksum_bytes(view)
+
+    monkeypatch.setattr(server_module.PeerServer, "_served_file", late)
+    monkeypatch.setattr(wire, "send_payload", steady)  # the server's side of a get
+    with TcpTransport(JOB, secret, timeout_s=1.0) as t:
+        t.get_file(server.address, "step-1", shard_name(0, 0), local.job_dir / "a", layout=local)
+    assert (local.job_dir / "a").read_bytes() == data
+
+
 def test_unsigned_ok_reply_is_not_trusted(secret):
     """A fake server (without the secret) cannot make a client believe its file was stored."""
     fake = socket.create_server(("127.0.0.1", 0))
