@@ -267,14 +267,17 @@ class PersistTarget:
 
     def _local_root(self) -> None:
         """Make the local root the first time (when the store opens); TargetGoneError if it has gone since."""
-        if self._root_seen and not os.path.isdir(self.root):
-            raise TargetGoneError(
-                errno.ENOENT,
-                f"persist_to directory {self.root} is gone (a file system unmounted, or the directory "
-                "removed); it is not made again, lest checkpoints land on what lies beneath. Make it "
-                "available again, then call store.persist(id)",
-                self.root,
-            )
+        if self._root_seen:
+            try:
+                os.stat(self.root)  # another error (ESTALE, EIO on a network file system) is passed on
+            except (FileNotFoundError, NotADirectoryError):
+                raise TargetGoneError(
+                    errno.ENOENT,
+                    f"persist_to directory {self.root} is gone (a file system unmounted, or the directory "
+                    "removed); it is not made again, lest checkpoints land on what lies beneath. Make it "
+                    "available again, then call store.persist(id)",
+                    self.root,
+                ) from None
         os.makedirs(self.root, exist_ok=True)
         self._root_seen = True
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import subprocess
@@ -481,6 +482,25 @@ def test_a_persist_directory_gone_while_the_job_runs_is_not_made_again(shm_dir, 
         target.mkdir(parents=True)  # back
         store.persist("b")
         assert store.wait_persisted("b", timeout=60).persisted_url == f"{target}/b"
+
+
+def test_a_passing_error_looking_at_the_persist_directory_is_retried(shm_dir, tmp_path, monkeypatch):
+    """A network file system's passing error (ESTALE) on the persist directory is no sign that it is
+    gone: the upload retries. (os.stat is made to fail once: a real NFS server cannot be had here.)"""
+    target = tmp_path / "t"
+    stat, failed = os.stat, []
+
+    def stale_once(path, *args, **kwargs):
+        if str(path) == str(target) and not failed:
+            failed.append(path)
+            raise OSError(errno.ESTALE, "Stale file handle", str(path))
+        return stat(path, *args, **kwargs)
+
+    with MemStore(root=shm_dir, job_id="job", persist_to=str(target), persist_on_close=False) as store:
+        monkeypatch.setattr(os, "stat", stale_once)
+        save(store, _state(1), "a")
+        store.persist("a")
+        assert store.wait_persisted("a", timeout=60).persisted and failed
 
 
 def test_close_keeps_its_timeout_while_the_target_does_not_answer(shm_dir, bucket_dir):
