@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import select
 import sys
 import time
 import warnings
@@ -166,12 +167,29 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         return args.fn(args)
-    except BrokenPipeError:  # the reader of the output left (`| head`): not the store's error
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
-        return 0
+    except BrokenPipeError as e:
+        if _output_cut_short():  # the reader of the output left (`| head`): not the store's error
+            return 0
+        print(f"dcp-memstore: {e}", file=sys.stderr)
+        return 2
     except (OSError, ValueError, CheckpointInUseError) as e:  # OSError: not found, read-only, ...
         print(f"dcp-memstore: {e}", file=sys.stderr)
         return 2
+
+
+def _output_cut_short() -> bool:
+    """Whether the standard output is a pipe whose reader has closed it (poll says POLLERR); it is then
+    pointed at /dev/null, so that what is still buffered does not fail again at exit."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by something without a descriptor
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    if not any(events & select.POLLERR for _, events in poller.poll(0)):
+        return False
+    os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+    return True
 
 
 if __name__ == "__main__":

@@ -546,7 +546,8 @@ class PeerServer:
                 raise _Refusal("io_error", f"cannot hold checkpoint {checkpoint} on this node: {e}") from None
             log.warning(
                 "peer server of job %s: no room for the record that holds checkpoint %s while a peer "
-                "gets its files (%s); serving it unheld: an eviction meanwhile fails the peer's checksums",
+                "gets its files (%s); serving it unheld: evicted meanwhile, the peer may get a mix of two "
+                "saves, which only the per-item checksums of a load catch",
                 self.job_id, checkpoint, e,
             )  # fmt: skip
             return ""

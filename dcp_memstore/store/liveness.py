@@ -87,7 +87,11 @@ def _take(procs: Path) -> tuple[str, int]:
         path = procs / f"{token}{_SUFFIX}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         os.fchmod(fd, 0o644)  # whatever the umask: every user of the store must be able to try the lock
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:  # not blocking: another process trying the new file's lock holds it for a moment (or for good)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
         if same_file(fd, path):
             return token, fd
         os.close(fd)
