@@ -146,13 +146,14 @@ class SaveOrder:
                         slots.append(slot)
         return slots
 
-    def bind(self, seq: int | None, sent: bool = False) -> None:
-        """Bind ticket ``seq`` to the calling thread: the save runs there, or with ``sent``, is sent from
-        there to DCP's checkpoint process."""
+    def bind(self, seq: int | None, sent: bool = False, checkpoint_id: str | None = None) -> None:
+        """Bind ticket ``seq`` (the save of ``checkpoint_id``, where known) to the calling thread: the save
+        runs there, or with ``sent``, is sent from there to DCP's checkpoint process."""
         with self._lock:
             t = self._tickets.get(seq) if seq is not None else None
             if t is not None:
                 t.thread = threading.current_thread()
+                t.checkpoint_id = checkpoint_id or t.checkpoint_id
                 if sent:
                     t.sent, self._sent = True, True
                 executor = _PROCESS_EXECUTOR_FILE if sent else _THREAD_EXECUTOR_FILE
@@ -173,10 +174,7 @@ class SaveOrder:
 
         ``seq=None`` is a synchronous ``dcp.save``: it waits for every async save staged before it."""
         me = threading.current_thread()
-        self.bind(seq)
-        with self._lock:
-            if seq is not None and seq in self._tickets:
-                self._tickets[seq].checkpoint_id = checkpoint_id
+        self.bind(seq, checkpoint_id=checkpoint_id)
         limit = self._next if seq is None else seq
 
         def blocking() -> list[Ticket]:
