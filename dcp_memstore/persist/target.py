@@ -267,19 +267,20 @@ class PersistTarget:
 
     def _local_root(self) -> None:
         """Make the local root the first time (when the store opens); TargetGoneError if it has gone since."""
-        if self._root_seen:
-            try:
-                os.stat(self.root)  # another error (ESTALE, EIO on a network file system) is passed on
-            except (FileNotFoundError, NotADirectoryError):
-                raise TargetGoneError(
-                    errno.ENOENT,
-                    f"persist_to directory {self.root} is gone (a file system unmounted, or the directory "
-                    "removed); it is not made again, lest checkpoints land on what lies beneath. Make it "
-                    "available again, then call store.persist(id)",
-                    self.root,
-                ) from None
-        os.makedirs(self.root, exist_ok=True)
-        self._root_seen = True
+        if not self._root_seen:
+            os.makedirs(self.root, exist_ok=True)
+            self._root_seen = True
+            return
+        try:
+            os.stat(self.root)  # another error (ESTALE, EIO on a network file system) is passed on
+        except (FileNotFoundError, NotADirectoryError):
+            raise TargetGoneError(
+                errno.ENOENT,
+                f"persist_to directory {self.root} is gone (a file system unmounted, or the directory "
+                "removed); it is not made again, lest checkpoints land on what lies beneath. Make it "
+                "available again, then call store.persist(id)",
+                self.root,
+            ) from None
 
     def __repr__(self) -> str:
         return f"PersistTarget({self.url!r})"
